@@ -1,0 +1,1 @@
+"""KV cache data structures and policies (torch only, no I/O)."""

@@ -1,0 +1,117 @@
+"""int8 and int4 quantisation of cached keys and values, for turn layers held in lower tiers.
+
+- int8: symmetric, per token, in groups of `GROUP` channels: `code = round(x / scale)`,
+  `scale = max|x| / 127` over the group.
+- int4: KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", 2024):
+  keys per channel, in groups of `GROUP` tokens, because key outliers sit in fixed channels; values
+  per token, in groups of `GROUP` channels. Asymmetric min/max with a zero point; two codes a byte.
+  The caller keeps the most recent tokens in full precision (KIVI's residual window).
+
+Scales and zero points are float32 whatever the cache dtype. All tensors are `[batch, kv_heads,
+seq, head_dim]`; `seq` may be any length (a last partial group is fine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Codes plus what is needed to decode them. `codes`: uint8 (int4: two codes a byte, along
+    the last axis); `scale`, `zero`: float32, broadcastable per group."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    shape: tuple[int, ...]
+    scheme: str
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scale] + ([self.zero] if self.zero is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _pad_to_group(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    size = x.shape[dim]
+    pad = (-size) % GROUP
+    if pad == 0:
+        return x, size
+    widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
+    return torch.nn.functional.pad(x, widths), size
+
+
+def quantize_int8(x: torch.Tensor) -> Quantized:
+    """Symmetric int8 per token, groups of `GROUP` channels along `head_dim`."""
+    work, _ = _pad_to_group(x.to(torch.float32), -1)
+    grouped = work.unflatten(-1, (-1, GROUP))  # [b, h, seq, groups, GROUP]
+    scale = grouped.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+    codes = torch.round(grouped / scale).clamp(-127, 127).to(torch.int8)
+    return Quantized(codes.view(torch.uint8), scale, None, tuple(x.shape), "int8")
+
+
+def dequantize_int8(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    values = q.codes.view(torch.int8).to(torch.float32) * q.scale
+    return values.flatten(-2)[..., : q.shape[-1]].to(dtype)
+
+
+def _asymmetric_int4(grouped: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    low = grouped.amin(dim=dim, keepdim=True)
+    high = grouped.amax(dim=dim, keepdim=True)
+    scale = ((high - low) / 15.0).clamp_min(1e-12)
+    codes = torch.round((grouped - low) / scale).clamp(0, 15).to(torch.uint8)
+    return codes, scale, low
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    flat = codes.reshape(*codes.shape[:-1], -1, 2)
+    return flat[..., 0] | (flat[..., 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+def quantize_int4_keys(keys: torch.Tensor) -> Quantized:
+    """KIVI keys: per channel, min/max over groups of `GROUP` tokens."""
+    work, _ = _pad_to_group(keys.to(torch.float32), -2)
+    grouped = work.unflatten(-2, (-1, GROUP))  # [b, h, token_groups, GROUP, head_dim]
+    codes, scale, zero = _asymmetric_int4(grouped, dim=-2)
+    return Quantized(_pack_nibbles(codes), scale, zero, tuple(keys.shape), "int4_channel")
+
+
+def quantize_int4_values(values: torch.Tensor) -> Quantized:
+    """KIVI values: per token, min/max over groups of `GROUP` channels."""
+    work, _ = _pad_to_group(values.to(torch.float32), -1)
+    grouped = work.unflatten(-1, (-1, GROUP))  # [b, h, seq, channel_groups, GROUP]
+    codes, scale, zero = _asymmetric_int4(grouped, dim=-1)
+    return Quantized(_pack_nibbles(codes), scale, zero, tuple(values.shape), "int4_token")
+
+
+def dequantize_int4(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    if q.zero is None:
+        raise ValueError("int4 codes need a zero point")
+    codes = _unpack_nibbles(q.codes).to(torch.float32)
+    values = codes * q.scale + q.zero
+    seq, head_dim = q.shape[-2], q.shape[-1]
+    if q.scheme == "int4_channel":
+        return values.flatten(-3, -2)[..., :seq, :].to(dtype)
+    return values.flatten(-2)[..., :head_dim].to(dtype)
+
+
+def quantize(x: torch.Tensor, precision: str, is_key: bool) -> Quantized:
+    """Quantise keys or values at `int8` or `int4`. Raises `ValueError` for another precision."""
+    if precision == "int8":
+        return quantize_int8(x)
+    if precision == "int4":
+        return quantize_int4_keys(x) if is_key else quantize_int4_values(x)
+    raise ValueError(f"unknown precision {precision!r}; expected 'int8' or 'int4'")
+
+
+def dequantize(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_int8(q, dtype) if q.scheme == "int8" else dequantize_int4(q, dtype)

@@ -1,0 +1,186 @@
+"""Session caches and base layers as flat tensor dicts plus a JSON-able header.
+
+The storage codec turns these into safetensors bytes; nothing here does I/O. Exact tensors keep the
+model's dtype, so an exact round trip is bit-identical. With a lossy `precision`, the tokens of
+unpinned turn layers are quantised (`cache.quantization`) except the most recent
+`residual_tokens`; pinned turns (the base layer) always stay exact.
+
+Tensor names, per model layer `l`:
+    k.{l} / v.{l}                      exact tokens `[1, kv_heads, n_exact, head_dim]`
+    kq.{l}.codes|scale|zero / vq.{l}.* quantised tokens (see `Quantized`)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from cache.ids import PrefixKey
+from cache.quantization import Quantized, dequantize, quantize
+from cache.session_cache import BaseLayer, LayerSpan, SessionCache
+
+FORMAT_VERSION = 1
+_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+class MalformedCache(ValueError):
+    """Tensors and header do not describe a valid cache (wrong names, shapes or version)."""
+
+
+def _lossy_mask(cache: SessionCache, precision: str, residual_tokens: int) -> list[bool]:
+    mask: list[bool] = []
+    for span in cache.layers:
+        mask.extend([precision != "exact" and not span.pinned] * span.token_count)
+    for index in range(max(0, len(mask) - residual_tokens), len(mask)):
+        mask[index] = False
+    return mask
+
+
+def _ranges(mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """Maximal runs of True as [start, end) pairs."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for index, flag in enumerate([*mask, False]):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            runs.append((start, index))
+            start = None
+    return runs
+
+
+def session_cache_to_tensors(
+    cache: SessionCache, precision: str = "exact", residual_tokens: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten a session cache (its own tokens and the base reference, never the base tensors)."""
+    mask = _lossy_mask(cache, precision, residual_tokens)
+    lossy = torch.tensor(mask, dtype=torch.bool)
+    tensors: dict[str, torch.Tensor] = {}
+    for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
+        for name, tensor in (("k", keys), ("v", values)):
+            cpu = tensor.detach().to("cpu")
+            tensors[f"{name}.{index}"] = cpu[:, :, ~lossy].contiguous()
+            if lossy.any():
+                q = quantize(cpu[:, :, lossy], precision, is_key=name == "k")
+                tensors[f"{name}q.{index}.codes"] = q.codes.contiguous()
+                tensors[f"{name}q.{index}.scale"] = q.scale.contiguous()
+                if q.zero is not None:
+                    tensors[f"{name}q.{index}.zero"] = q.zero.contiguous()
+    lossy_ranges = _ranges(mask)
+    layers = [_mark_precision(span, lossy_ranges, precision) for span in _own_spans_with_offsets(cache.layers)]
+    header = {
+        "format_version": FORMAT_VERSION,
+        "kind": "session",
+        "dtype": str(cache.own_keys[0].dtype) if cache.own_keys else "torch.float32",
+        "num_model_layers": len(cache.own_keys),
+        "base_key": cache.base_key,
+        "base_token_ids": list(cache.base_token_ids),
+        "own_token_ids": list(cache.own_token_ids),
+        "layers": [span.to_json() for span in layers],
+        "precision": precision,
+        "lossy_ranges": lossy_ranges,
+    }
+    return tensors, header
+
+
+def _own_spans_with_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int]]:
+    offset, out = 0, []
+    for span in layers:
+        out.append((span, offset))
+        offset += span.token_count
+    return out
+
+
+def _mark_precision(item: tuple[LayerSpan, int], lossy_ranges: list[tuple[int, int]], precision: str) -> LayerSpan:
+    span, offset = item
+    end = offset + span.token_count
+    touched = any(start < end and stop > offset for start, stop in lossy_ranges)
+    return replace(span, precision=precision) if touched else span
+
+
+def session_cache_from_tensors(
+    tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device | str
+) -> SessionCache:
+    """Rebuild a session cache on `device` (base not attached; see `SessionCache.with_base`).
+
+    Raises:
+        MalformedCache: if names, shapes or the format version do not match the header.
+    """
+    try:
+        return _session_cache_from_tensors(tensors, header, torch.device(device))
+    except (KeyError, IndexError, TypeError, RuntimeError) as exc:
+        raise MalformedCache(f"session cache does not decode: {exc}") from exc
+
+
+def _session_cache_from_tensors(
+    tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device
+) -> SessionCache:
+    if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "session":
+        raise MalformedCache(f"unsupported cache format {header.get('format_version')!r}/{header.get('kind')!r}")
+    dtype = _DTYPES[header["dtype"]]
+    own_ids = tuple(int(i) for i in header["own_token_ids"])
+    mask = torch.zeros(len(own_ids), dtype=torch.bool)
+    for start, end in header["lossy_ranges"]:
+        mask[start:end] = True
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for index in range(int(header["num_model_layers"])):
+        for name, out in (("k", keys), ("v", values)):
+            exact = tensors[f"{name}.{index}"]
+            full = exact.new_empty((*exact.shape[:2], len(own_ids), exact.shape[3]))
+            full[:, :, ~mask] = exact
+            if mask.any():
+                shape = (*exact.shape[:2], int(mask.sum()), exact.shape[3])
+                zero = tensors.get(f"{name}q.{index}.zero")
+                scheme = "int8" if zero is None else ("int4_channel" if name == "k" else "int4_token")
+                q = Quantized(tensors[f"{name}q.{index}.codes"], tensors[f"{name}q.{index}.scale"], zero, shape, scheme)
+                full[:, :, mask] = dequantize(q, dtype)
+            if full.dtype != dtype:
+                raise MalformedCache(f"tensor {name}.{index} is {full.dtype}, header says {dtype}")
+            out.append(full.to(device))
+    base_key = header.get("base_key")
+    return SessionCache(
+        base_key=PrefixKey(base_key) if base_key else None,
+        base_token_ids=tuple(int(i) for i in header["base_token_ids"]),
+        own_keys=tuple(keys),
+        own_values=tuple(values),
+        own_token_ids=own_ids,
+        layers=tuple(LayerSpan.from_json(span) for span in header["layers"]),
+    )
+
+
+def base_layer_to_tensors(base: BaseLayer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors: dict[str, torch.Tensor] = {}
+    for index, (keys, values) in enumerate(zip(base.keys, base.values, strict=True)):
+        tensors[f"k.{index}"] = keys.detach().to("cpu").contiguous()
+        tensors[f"v.{index}"] = values.detach().to("cpu").contiguous()
+    header = {
+        "format_version": FORMAT_VERSION,
+        "kind": "base",
+        "dtype": str(base.keys[0].dtype),
+        "num_model_layers": len(base.keys),
+        "base_key": base.key,
+        "base_token_ids": list(base.token_ids),
+    }
+    return tensors, header
+
+
+def base_layer_from_tensors(
+    tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device | str
+) -> BaseLayer:
+    """Raises `MalformedCache` if the tensors do not match the header."""
+    try:
+        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "base":
+            raise MalformedCache(f"unsupported base format {header.get('format_version')!r}")
+        count = int(header["num_model_layers"])
+        ids = tuple(int(i) for i in header["base_token_ids"])
+        keys = tuple(tensors[f"k.{i}"].to(device) for i in range(count))
+        values = tuple(tensors[f"v.{i}"].to(device) for i in range(count))
+        if any(k.shape[-2] != len(ids) for k in keys):
+            raise MalformedCache("base tensors do not match the base token ids")
+        return BaseLayer(PrefixKey(str(header["base_key"])), ids, keys, values)
+    except (KeyError, TypeError) as exc:
+        raise MalformedCache(f"base layer does not decode: {exc}") from exc

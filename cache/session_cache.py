@@ -1,0 +1,358 @@
+"""The layered KV cache of one session, and its conversion to the `transformers` cache object.
+
+A session cache is a run of cached tokens split into layers (not model layers):
+
+    conversation stream  | system prompt | turn 0 ........ | turn 1 ....... | turn 2 ........ |
+    session cache        | base (shared) | turn 0 (pinned) |   (demoted)    | turn 2          |
+    RoPE position        | 0 .. b-1      | b ..            |                | re-rotated, contiguous
+
+- The **base layer** starts with the system-prompt prefix, held read-only in the tenant's prefix pool
+  (`BaseLayer`) and shared by the tenant's sessions that start the same way. Turns promoted by
+  `pin` belong to the base layer as well; they keep their place in the stream but are never demoted.
+- **Turn layers** (one per turn) are the session's own tensors. Demotion drops them out of the
+  window; the kept tokens after the gap are re-rotated so positions stay contiguous (`cache.rope`).
+
+Storage shapes, per model layer `l`: the shared base holds `[1, kv_heads, base_tokens, head_dim]`;
+the session's own tokens (pinned turns and turn layers, in order) are one tensor pair
+`own_keys[l]`, `own_values[l]` of shape `[1, kv_heads, own_tokens, head_dim]` in the model's dtype.
+The cache is treated as an immutable value: operations return a new `SessionCache` and never write
+into tensors another holder may see (the base is shared, and write-back reads old versions).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from cache.ids import PrefixKey
+
+
+class LayerKind(enum.StrEnum):
+    BASE = "base"
+    TURN = "turn"
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    """One layer of the session cache: a contiguous run of cached tokens.
+
+    Attributes:
+        kind: `base` for the system-prompt prefix and pinned turns, `turn` otherwise.
+        turn_index: 0-based turn number; `None` for the system-prompt prefix.
+        token_count: tokens in this layer.
+        original_start: index of its first token in the conversation stream (every message's
+            tokens in order, demoted ones included); also the RoPE position it had when computed
+            unless the window had already been compacted then.
+        position_start: current RoPE position of its first token (layers are contiguous).
+        precision: `exact`, or the lossy precision (`int8`/`int4`) it was stored at in a lower tier.
+    """
+
+    kind: LayerKind
+    turn_index: int | None
+    token_count: int
+    original_start: int
+    position_start: int
+    precision: str = "exact"
+
+    @property
+    def pinned(self) -> bool:
+        return self.kind is LayerKind.BASE
+
+    @property
+    def position_end(self) -> int:
+        return self.position_start + self.token_count
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value,
+            "turn_index": self.turn_index,
+            "token_count": self.token_count,
+            "original_start": self.original_start,
+            "position_start": self.position_start,
+            "precision": self.precision,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> LayerSpan:
+        turn = data["turn_index"]
+        return cls(
+            kind=LayerKind(str(data["kind"])),
+            turn_index=None if turn is None else int(str(turn)),
+            token_count=int(str(data["token_count"])),
+            original_start=int(str(data["original_start"])),
+            position_start=int(str(data["position_start"])),
+            precision=str(data.get("precision", "exact")),
+        )
+
+
+@dataclass(frozen=True)
+class BaseLayer:
+    """The shared, read-only system-prompt prefix of a tenant's sessions (an entry of the prefix pool).
+
+    `keys[l]`, `values[l]`: `[1, kv_heads, len(token_ids), head_dim]` per model layer `l`, at RoPE
+    positions `0 .. len(token_ids)-1`. Never written after construction.
+    """
+
+    key: PrefixKey
+    token_ids: tuple[int, ...]
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def token_count(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass(frozen=True)
+class SessionCache:
+    """Base reference plus the session's own KV tensors and layer table. See the module docstring.
+
+    Attributes:
+        base: the shared base prefix, or `None` when the template has no shareable prefix.
+        base_key / base_token_ids: identity of the base even while `base` is not attached
+            (an offloaded cache stores the reference, not the tensors).
+        own_keys, own_values: per model layer, `[1, kv_heads, own_tokens, head_dim]`.
+        own_token_ids: ids of the own tokens, in cache order.
+        layers: layer table of the own tokens (pinned turns and turn layers), in cache order.
+    """
+
+    base_key: PrefixKey | None
+    base_token_ids: tuple[int, ...]
+    own_keys: tuple[torch.Tensor, ...]
+    own_values: tuple[torch.Tensor, ...]
+    own_token_ids: tuple[int, ...]
+    layers: tuple[LayerSpan, ...]
+    base: BaseLayer | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if sum(span.token_count for span in self.layers) != len(self.own_token_ids):
+            raise RuntimeError(
+                f"bug: layer table covers {sum(s.token_count for s in self.layers)} tokens, "
+                f"own tokens are {len(self.own_token_ids)}"
+            )
+        if self.own_keys and self.own_keys[0].shape[-2] != len(self.own_token_ids):
+            raise RuntimeError(f"bug: own keys hold {self.own_keys[0].shape[-2]} tokens, ids {len(self.own_token_ids)}")
+        if self.base is not None and self.base.key != self.base_key:
+            raise RuntimeError(f"bug: attached base {self.base.key} is not {self.base_key}")
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def base_tokens(self) -> int:
+        return len(self.base_token_ids)
+
+    @property
+    def own_tokens(self) -> int:
+        return len(self.own_token_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens in the attention window: base plus own (quantised layers included)."""
+        return self.base_tokens + self.own_tokens
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.base_token_ids + self.own_token_ids
+
+    @property
+    def own_nbytes(self) -> int:
+        """Bytes of the session's own tensors on the device (the shared base is counted by the pool)."""
+        return sum(t.numel() * t.element_size() for t in (*self.own_keys, *self.own_values))
+
+    @property
+    def next_original_index(self) -> int:
+        """Conversation-stream index just after the last cached token."""
+        if self.layers:
+            last = self.layers[-1]
+            return last.original_start + last.token_count
+        return self.base_tokens
+
+    def full_layer_table(self) -> list[LayerSpan]:
+        """The layer table with the shared system-prompt prefix as its first row."""
+        rows = []
+        if self.base_tokens:
+            rows.append(LayerSpan(LayerKind.BASE, None, self.base_tokens, 0, 0))
+        rows.extend(self.layers)
+        return rows
+
+    # -- construction and conversion -----------------------------------------------------------
+
+    @classmethod
+    def empty(cls, base: BaseLayer | None, num_model_layers: int, like: torch.Tensor) -> SessionCache:
+        """A cache with only the base. `like`: a `[1, kv_heads, 0, head_dim]`-shaped template tensor
+        (device and dtype) for the empty own tensors."""
+        empty = tuple(like.new_empty((*like.shape[:-2], 0, like.shape[-1])) for _ in range(num_model_layers))
+        return cls(
+            base_key=base.key if base else None,
+            base_token_ids=base.token_ids if base else (),
+            own_keys=empty,
+            own_values=empty,
+            own_token_ids=(),
+            layers=(),
+            base=base,
+        )
+
+    def with_base(self, base: BaseLayer | None) -> SessionCache:
+        """Attach (or detach, with `None`) the base tensors; the reference must match."""
+        if base is not None and (base.key != self.base_key or base.token_ids != self.base_token_ids):
+            raise ValueError(f"base {base.key} does not match this cache's base {self.base_key}")
+        return replace(self, base=base)
+
+    def to_working_cache(self, extra_tokens: int) -> WorkingCache:
+        """Concatenate base and own tokens into a preallocated `transformers` cache with room for
+        `extra_tokens` more (prefill plus `max_new_tokens`), so decoding never reallocates.
+
+        Raises:
+            RuntimeError: if the base is referenced but not attached (a bug in the caller).
+        """
+        if self.base_tokens and self.base is None:
+            raise RuntimeError(f"bug: base {self.base_key} must be attached before the turn runs")
+        layers = []
+        for index, (own_k, own_v) in enumerate(zip(self.own_keys, self.own_values, strict=True)):
+            parts_k = [own_k] if self.base is None else [self.base.keys[index], own_k]
+            parts_v = [own_v] if self.base is None else [self.base.values[index], own_v]
+            layers.append(PreallocatedLayer.from_parts(parts_k, parts_v, extra_tokens))
+        return WorkingCache(layers)
+
+    def after_turn(
+        self,
+        working: WorkingCache,
+        appended_token_ids: Sequence[int],
+        spans: Sequence[LayerSpan],
+    ) -> SessionCache:
+        """The cache after a turn appended `appended_token_ids` to `working`.
+
+        `spans` replaces the table from the first layer the turn touched: a turn extends the
+        previous turn layer with its closing tokens (the reply's end-of-turn tokens are fed at the
+        start of the next turn) and adds its own layer. Own tensors are copied out of the working
+        buffer so the buffer and the base copy in it are freed.
+        """
+        total = working.get_seq_length()
+        if total != self.total_tokens + len(appended_token_ids):
+            raise RuntimeError(
+                f"bug: working cache holds {total} tokens, expected {self.total_tokens} + {len(appended_token_ids)}"
+            )
+        own_keys = tuple(layer.filled_keys[:, :, self.base_tokens :].clone() for layer in working.prealloc_layers)
+        own_values = tuple(layer.filled_values[:, :, self.base_tokens :].clone() for layer in working.prealloc_layers)
+        kept = _spans_before(self.layers, spans)
+        return replace(
+            self,
+            own_keys=own_keys,
+            own_values=own_values,
+            own_token_ids=self.own_token_ids + tuple(appended_token_ids),
+            layers=(*kept, *spans),
+        )
+
+    def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:
+        """Same tensors with an edited layer table (pinning, precision marks)."""
+        return replace(self, layers=tuple(layers))
+
+
+def _spans_before(existing: Sequence[LayerSpan], new: Sequence[LayerSpan]) -> list[LayerSpan]:
+    if not new:
+        return list(existing)
+    first = new[0].original_start
+    return [span for span in existing if span.original_start < first]
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A `transformers` cache layer over a preallocated buffer `[1, kv_heads, capacity, head_dim]`.
+
+    `DynamicLayer` concatenates on every decode step (a copy of the whole cache per token); this
+    layer writes the new keys and values into the buffer and returns views of the filled part,
+    like gpt-fast's preallocated KV cache. It grows by doubling if a turn runs past `capacity`.
+    """
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self._key_buffer = key_buffer
+        self._value_buffer = value_buffer
+        self._length = length
+        self.device = key_buffer.device
+        self.is_initialized = True
+        self._refresh_views()
+
+    @classmethod
+    def from_parts(
+        cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], extra_tokens: int
+    ) -> PreallocatedLayer:
+        length = sum(k.shape[-2] for k in keys)
+        first = keys[0]
+        shape = (first.shape[0], first.shape[1], length + max(extra_tokens, 1), first.shape[3])
+        key_buffer = first.new_empty(shape)
+        value_buffer = values[0].new_empty(shape)
+        offset = 0
+        for k, v in zip(keys, values, strict=True):
+            n = k.shape[-2]
+            key_buffer[:, :, offset : offset + n].copy_(k)
+            value_buffer[:, :, offset : offset + n].copy_(v)
+            offset += n
+        return cls(key_buffer, value_buffer, length)
+
+    def _refresh_views(self) -> None:
+        self.keys = self._key_buffer[:, :, : self._length]
+        self.values = self._value_buffer[:, :, : self._length]
+
+    @property
+    def filled_keys(self) -> torch.Tensor:
+        """View of the filled part of the key buffer, `[1, kv_heads, length, head_dim]`."""
+        return self._key_buffer[:, :, : self._length]
+
+    @property
+    def filled_values(self) -> torch.Tensor:
+        return self._value_buffer[:, :, : self._length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("bug: PreallocatedLayer is initialised at construction")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if self._length + new > self._key_buffer.shape[-2]:
+            self._grow(self._length + new)
+        end = self._length + new
+        self._key_buffer[:, :, self._length : end].copy_(key_states)
+        self._value_buffer[:, :, self._length : end].copy_(value_states)
+        self._length = end
+        self._refresh_views()
+        return self.filled_keys, self.filled_values
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._key_buffer.shape[-2])
+        shape = (*self._key_buffer.shape[:2], capacity, self._key_buffer.shape[3])
+        key_buffer = self._key_buffer.new_empty(shape)
+        value_buffer = self._value_buffer.new_empty(shape)
+        key_buffer[:, :, : self._length].copy_(self._key_buffer[:, :, : self._length])
+        value_buffer[:, :, : self._length].copy_(self._value_buffer[:, :, : self._length])
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        self._length = max(0, self._length + tokens_to_remove)
+        self._refresh_views()
+
+
+class WorkingCache(DynamicCache):
+    """The `transformers` cache object of one turn: one `PreallocatedLayer` per model layer."""
+
+    def __init__(self, layers: list[PreallocatedLayer]) -> None:
+        super().__init__()
+        self.layers = list(layers)
+
+    @property
+    def prealloc_layers(self) -> list[PreallocatedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PreallocatedLayer)]

@@ -1,0 +1,116 @@
+"""Tiers, and the two small protocols through which the tier manager moves caches.
+
+`cache/` never imports `storage/`: the tier manager is handed a `CacheSealer` (turns a cache into
+sealed bytes and back: codec plus encryption) and one `BlobStore` per lower tier (bytes by key:
+process memory, files). `sessions/` wires the storage implementations in.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from cache.ids import PrefixKey, SessionId, TenantId
+from cache.session_cache import BaseLayer, SessionCache
+
+
+class Tier(enum.StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+BASE_BLOB_PREFIX = "base-"
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Names a stored cache: a session's (`name` = session id) or a shared base layer's
+    (`name` = `base-<prefix key>`). The tenant is part of every key."""
+
+    tenant_id: TenantId
+    name: str
+
+    @classmethod
+    def for_session(cls, tenant_id: TenantId, session_id: SessionId) -> CacheKey:
+        return cls(tenant_id, session_id)
+
+    @classmethod
+    def for_base(cls, tenant_id: TenantId, key: PrefixKey) -> CacheKey:
+        return cls(tenant_id, BASE_BLOB_PREFIX + key)
+
+    @property
+    def is_base(self) -> bool:
+        return self.name.startswith(BASE_BLOB_PREFIX)
+
+    @property
+    def session_id(self) -> SessionId | None:
+        return None if self.is_base else SessionId(self.name)
+
+
+class BlobRejected(Exception):
+    """A stored blob failed authentication or decoding (tampered, truncated, moved to another
+    session or tenant, another model fingerprint, wrong key). It must not be used; rebuild."""
+
+
+class CacheSealer(Protocol):
+    """Turns caches into sealed bytes bound to their key, and back."""
+
+    def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes: ...
+
+    def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
+        """Raises `BlobRejected` if the blob does not authenticate or decode for this key."""
+        ...
+
+    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes: ...
+
+    def open_base(self, key: CacheKey, blob: bytes) -> BaseLayer:
+        """Raises `BlobRejected` if the blob does not authenticate or decode for this key."""
+        ...
+
+
+class BlobStore(Protocol):
+    """Sealed bytes by key, in one tier (after LMCache's storage-backend interface)."""
+
+    def put(self, key: CacheKey, blob: bytes) -> None: ...
+
+    def get(self, key: CacheKey) -> bytes:
+        """Raises `KeyError` if absent."""
+        ...
+
+    def delete(self, key: CacheKey) -> None: ...
+
+    def contains(self, key: CacheKey) -> bool: ...
+
+    def nbytes(self, key: CacheKey) -> int:
+        """Stored size in bytes, 0 if absent."""
+        ...
+
+    def keys(self) -> list[CacheKey]: ...
+
+    def used_bytes(self) -> int:
+        """Bytes of every blob in the store."""
+        ...
+
+
+class TierEvents(Protocol):
+    """What the tier manager reports (metrics implement it)."""
+
+    def moved(self, source: Tier, target: Tier | None, nbytes: int) -> None:
+        """A cache left `source` for `target` (`None`: dropped)."""
+
+    def restored(self, source: Tier, seconds: float) -> None: ...
+
+    def rejected(self, source: Tier) -> None: ...
+
+
+class NoEvents:
+    def moved(self, source: Tier, target: Tier | None, nbytes: int) -> None:
+        pass
+
+    def restored(self, source: Tier, seconds: float) -> None:
+        pass
+
+    def rejected(self, source: Tier) -> None:
+        pass

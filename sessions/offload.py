@@ -1,0 +1,91 @@
+"""Wiring of the tiers: the sealer that turns caches into encrypted blobs for the host and disk stores.
+
+`cache/` declares what it needs (`CacheSealer`, `BlobStore`); `storage/` provides the codec, the
+key ring and the stores; this module joins them, so neither of those packages imports the other.
+A blob is `seal(tenant data key, safetensors(tensors, header), aad(tenant, name, fingerprint,
+format version))`; any failure to authenticate or decode becomes `BlobRejected` and the turn
+rebuilds the cache from the transcript.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cache.serialization import (
+    FORMAT_VERSION,
+    MalformedCache,
+    base_layer_from_tensors,
+    base_layer_to_tensors,
+    session_cache_from_tensors,
+    session_cache_to_tensors,
+)
+from cache.session_cache import BaseLayer, SessionCache
+from cache.tiers import BlobRejected, CacheKey
+from storage import codec
+from storage.keyring import KeyRingError, TenantKeys, blob_aad, open_sealed, seal
+
+
+class EncryptedCacheSealer:
+    """`CacheSealer` with AES-256-GCM under each tenant's data key.
+
+    Args:
+        keys: the tenants' data keys.
+        model_fingerprint: bound into every blob; a blob of another model does not open.
+        device: where opened caches are placed.
+        precision: `exact`, `int8` or `int4` for unpinned turn layers (see `cache.serialization`).
+        residual_tokens: most recent tokens kept exact when `precision` is lossy.
+    """
+
+    def __init__(
+        self,
+        keys: TenantKeys,
+        model_fingerprint: str,
+        device: torch.device,
+        precision: str = "exact",
+        residual_tokens: int = 0,
+    ) -> None:
+        self._keys = keys
+        self._fingerprint = model_fingerprint
+        self._device = device
+        self._precision = precision
+        self._residual = residual_tokens
+
+    def _aad(self, key: CacheKey) -> bytes:
+        return blob_aad(key.tenant_id, key.name, self._fingerprint, FORMAT_VERSION)
+
+    def _seal(self, key: CacheKey, payload: bytes) -> bytes:
+        return seal(self._keys.data_key(key.tenant_id), payload, self._aad(key))
+
+    def _open(self, key: CacheKey, blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        try:
+            payload = open_sealed(self._keys.data_key(key.tenant_id), blob, self._aad(key))
+            tensors, header = codec.decode(payload)
+        except (KeyRingError, codec.CodecError) as exc:
+            raise BlobRejected(str(exc)) from exc
+        if header.get("model_fingerprint") != self._fingerprint:
+            raise BlobRejected("the blob was made with another model")
+        return tensors, header
+
+    def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes:
+        tensors, header = session_cache_to_tensors(cache, self._precision, self._residual)
+        header["model_fingerprint"] = self._fingerprint
+        return self._seal(key, codec.encode(tensors, header))
+
+    def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
+        tensors, header = self._open(key, blob)
+        try:
+            return session_cache_from_tensors(tensors, header, self._device)
+        except MalformedCache as exc:
+            raise BlobRejected(str(exc)) from exc
+
+    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes:
+        tensors, header = base_layer_to_tensors(base)
+        header["model_fingerprint"] = self._fingerprint
+        return self._seal(key, codec.encode(tensors, header))
+
+    def open_base(self, key: CacheKey, blob: bytes) -> BaseLayer:
+        tensors, header = self._open(key, blob)
+        try:
+            return base_layer_from_tensors(tensors, header, self._device)
+        except MalformedCache as exc:
+            raise BlobRejected(str(exc)) from exc

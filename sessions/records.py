@@ -1,0 +1,80 @@
+"""Value objects returned by the public API: tenants, sessions, messages, replies and turn statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
+
+from cache.ids import SessionId, TenantId
+
+Role = Literal["system", "user", "assistant"]
+RestoreSource = Literal["new", "device", "host", "disk", "rebuilt"]
+"""Where a turn found the session cache: `new` (first turn), a tier, or `rebuilt` by prefill from the
+transcript (no cache stored, the stored cache failed authentication, or another model fingerprint)."""
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: TenantId
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: SessionId
+    tenant_id: TenantId
+    title: str | None
+    system_prompt: str | None
+    model_fingerprint: str
+    token_count: int
+    """Tokens in the conversation stream (every message, including turns demoted out of the window)."""
+    message_count: int
+    created_at: datetime
+    last_active_at: datetime
+    tier: str | None = None
+    """`device`, `host`, `disk`, or `None` when no cache is stored (it is rebuilt on the next turn)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    index: int
+    role: Role
+    text: str
+    token_ids: tuple[int, ...]
+    """Exact ids: for an assistant message, the generated ids (stop token included); for a user
+    message, the ids prefilled for it (template framing and the previous reply's unfed tokens)."""
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """What one turn cost. Token counts are tokens; times are seconds of wall clock."""
+
+    prefill_tokens: int
+    """Tokens run through the model before the first new token."""
+    reused_tokens: int
+    """Tokens served from cache (session cache plus shared base layer)."""
+    ttft_s: float
+    """From the call to the first sampled token: restore, tokenisation and prefill included."""
+    decode_tokens: int
+    decode_s: float
+    restored_from: RestoreSource = "new"
+    restore_s: float = 0.0
+    base_reused_tokens: int = 0
+    """Part of `reused_tokens` served by the shared base layer of the prefix pool."""
+    demoted_tokens: int = 0
+    """Tokens of turn layers demoted out of the context window before this turn."""
+    cache_tokens: int = 0
+    """Tokens held in the session cache after the turn (window size)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    token_ids: tuple[int, ...]
+    """Generated ids, the stop token included when generation stopped on one."""
+    stats: TurnStats
+    finish_reason: FinishReason = "stop"

@@ -1,0 +1,66 @@
+"""Next-token selection: greedy at temperature 0, else temperature and nucleus (top-p) sampling.
+
+Nucleus sampling as in Holtzman et al., "The Curious Case of Neural Text Degeneration" (2019).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sessions.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. `seed` makes sampling at `temperature > 0` reproducible.
+
+    Raises:
+        InvalidInput: for `max_new_tokens < 1`, a negative temperature or `top_p` outside (0, 1].
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidInput(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise InvalidInput(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Picks one token id from `[vocab]` logits (any float dtype)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self._params = params
+        self._generator: torch.Generator | None = None
+        if not params.greedy:
+            self._generator = torch.Generator(device="cpu")
+            if params.seed is None:
+                self._generator.seed()
+            else:
+                self._generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self._generator is None:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.float().cpu() / self._params.temperature, dim=-1)
+        if self._params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest set whose mass reaches top_p: a token stays if the mass before it
+            # is below top_p, so the most likely token always stays.
+            keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < self._params.top_p
+            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+            choice = int(torch.multinomial(sorted_probs, 1, generator=self._generator).item())
+            return int(order[choice].item())
+        return int(torch.multinomial(probs, 1, generator=self._generator).item())

@@ -1,0 +1,231 @@
+"""Settings of a chatkv process, from keyword arguments or `CHATKV_*` environment variables.
+
+Settings live in `sessions/` (not `app/`) because `SessionManager` takes them and dependencies point
+`app -> sessions`. Byte sizes accept plain integers or units (`512MiB`, `2GB`); durations accept
+seconds or `30m`, `12h`, `7d`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+
+Precision = Literal["exact", "int8", "int4"]
+PersistMode = Literal["on_evict", "write_back"]
+
+DEFAULT_MODEL = "default"
+"""`Settings.model` value naming the bundled SmolLM2-135M-Instruct."""
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse `"1500"`, `"512MiB"`, `"2 GB"` into bytes. Raises `ValueError` naming the bad value."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1048576, 512MiB, 2GB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_duration_s(text: str) -> float:
+    """Parse `"90"`, `"30m"`, `"12h"`, `"7d"` into seconds. Raises `ValueError` naming the bad value."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdSMHD]?)\s*", text)
+    if match is None:
+        raise ValueError(f"not a duration: {text!r} (examples: 90, 30m, 12h, 7d)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+def _total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def default_home() -> Path:
+    """`$CHATKV_HOME`, else the per-user data directory (`~/.local/share/chatkv` on Linux)."""
+    env = os.environ.get("CHATKV_HOME")
+    return Path(env) if env else Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Configuration of one `SessionManager`.
+
+    Budgets are bytes of KV cache (keys and values of every model layer, plus quantisation scales).
+    `None` budgets are derived from the machine in `__post_init__`: device 25% of RAM on CPU (40% of
+    GPU memory on CUDA), host 25% of RAM, disk 25% of the free space under `home`, capped at 64 GiB.
+
+    Raises:
+        ValueError: for impossible values (non-positive budgets, a tenant quota above the device
+            budget, an unknown precision or persist mode), naming the field and the value.
+    """
+
+    home: Path = field(default_factory=default_home)
+    model: str = DEFAULT_MODEL
+    """`"default"` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model directory."""
+    model_cache_dir: Path | None = None
+    """Where the bundled GGUF is converted to safetensors once; default `home/models`."""
+    database_url: str | None = None
+    """SQLAlchemy URL; default SQLite at `home/chatkv.db`."""
+    device: str = "auto"
+    """torch device for the model and the `device` tier; `auto` picks CUDA when available, else CPU."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int | None = None
+    """torch intra-op threads; `None` keeps torch's default."""
+
+    device_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    disk_budget_bytes: int | None = None
+    tenant_device_quota_bytes: int | None = None
+    """Most device-tier bytes one tenant's idle sessions may hold; default the whole device budget."""
+    persist: PersistMode = "write_back"
+    """`write_back`: after each turn the cache is sealed and written to disk in the background, so
+    eviction of a persisted session is instant and a crash loses no cache. `on_evict`: written only
+    when the cache leaves the host tier (and at `close()`)."""
+    master_key: str | None = field(default=None, repr=False)
+    """Base64 of 32 bytes; default `$CHATKV_MASTER_KEY`, else a key file created in `home`."""
+
+    context_budget_tokens: int | None = None
+    """Per-session context window in tokens; default 80% of the model's `max_position_embeddings`."""
+    pin_first_turn: bool = False
+    share_base: bool = True
+    """Share the base layer (system prompt) of a tenant's sessions through the prefix pool."""
+    offload_precision: Precision = "exact"
+    """Precision of turn layers held in the host and disk tiers; the base layer stays exact."""
+    quant_residual_tokens: int = 32
+    """Most recent tokens of a session kept in full precision when turn layers are quantised (KIVI)."""
+
+    admin_token: str | None = field(default=None, repr=False)
+    session_retention_s: float | None = None
+    """Sessions idle longer than this are removed by `gc`; `None` keeps them forever."""
+    metrics_tenant_labels: bool = False
+    """Label per-tenant metrics with the tenant id (only when the number of tenants is bounded)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "home", Path(self.home).expanduser())
+        if self.model_cache_dir is not None:
+            object.__setattr__(self, "model_cache_dir", Path(self.model_cache_dir).expanduser())
+        if self.persist not in ("on_evict", "write_back"):
+            raise ValueError(f"persist must be 'on_evict' or 'write_back', got {self.persist!r}")
+        if self.offload_precision not in ("exact", "int8", "int4"):
+            raise ValueError(f"offload_precision must be 'exact', 'int8' or 'int4', got {self.offload_precision!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quant_residual_tokens < 0:
+            raise ValueError(f"quant_residual_tokens must be >= 0, got {self.quant_residual_tokens}")
+        if self.context_budget_tokens is not None and self.context_budget_tokens < 16:
+            raise ValueError(f"context_budget_tokens must be >= 16, got {self.context_budget_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.session_retention_s is not None and self.session_retention_s <= 0:
+            raise ValueError(f"session_retention_s must be > 0, got {self.session_retention_s}")
+        self._derive_budgets()
+
+    def _derive_budgets(self) -> None:
+        ram = _total_memory_bytes()
+        defaults = {
+            "device_budget_bytes": ram // 4,
+            "host_budget_bytes": ram // 4,
+            "disk_budget_bytes": self._default_disk_budget(),
+        }
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, default)
+            elif value <= 0:
+                raise ValueError(f"{name} must be > 0 bytes, got {value}")
+        if self.host_budget_bytes is not None and self.host_budget_bytes > ram:
+            raise ValueError(f"host_budget_bytes={self.host_budget_bytes} exceeds this machine's memory ({ram} bytes)")
+        quota = self.tenant_device_quota_bytes
+        if quota is None:
+            object.__setattr__(self, "tenant_device_quota_bytes", self.device_budget_bytes)
+        elif quota <= 0 or quota > (self.device_budget_bytes or 0):
+            raise ValueError(
+                f"tenant_device_quota_bytes must be in 1..device_budget_bytes ({self.device_budget_bytes}), got {quota}"
+            )
+
+    def _default_disk_budget(self) -> int:
+        probe = self.home
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            free = shutil.disk_usage(probe).free
+        except OSError:
+            free = 4 * 2**30
+        return max(2**28, min(free // 4, 64 * 2**30))
+
+    # -- derived paths -------------------------------------------------------------------------
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'chatkv.db'}"
+
+    @property
+    def resolved_model_cache_dir(self) -> Path:
+        return self.model_cache_dir or self.home / "models"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.home / "blobs"
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (validated again); `None` values are ignored."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from `CHATKV_<FIELD>` variables (e.g. `CHATKV_DEVICE_BUDGET_BYTES=2GiB`), then
+        `overrides` (keyword arguments that are not `None`).
+
+        Raises:
+            ValueError: naming the variable whose value does not parse.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"CHATKV_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            try:
+                values[f.name] = _parse_field(f.name, raw)
+            except ValueError as exc:
+                raise ValueError(f"CHATKV_{f.name.upper()}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse_field(name: str, raw: str) -> Any:
+    if name.endswith("_bytes"):
+        return parse_bytes(raw)
+    if name.endswith("_s"):
+        return parse_duration_s(raw)
+    if name in ("context_budget_tokens", "quant_residual_tokens", "threads"):
+        return int(raw)
+    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels"):
+        lowered = raw.strip().lower()
+        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ValueError(f"not a boolean: {raw!r}")
+        return lowered in ("1", "true", "yes", "on")
+    if name in ("home", "model_cache_dir"):
+        return Path(raw)
+    return raw

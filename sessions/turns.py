@@ -1,0 +1,382 @@
+"""One turn of one session: restore or rebuild the cache, fit the window, prefill, decode, store.
+
+Two ways to the first new token:
+
+- **reuse** (the cache is on the device or restored from host/disk and matches the transcript):
+  prefill only the previous reply's unfed tokens, the template's closing of that turn and the new
+  turn's framing and message (`ChatTemplate.next_turn`).
+- **rebuild** (first turn, no cache stored, a stored cache rejected, another model, or a template
+  that renders history differently): splice the whole conversation from the transcript
+  (`ChatTemplate.conversation`), take the base layer from the tenant's prefix pool when it is
+  there, and prefill the kept turns plus the new one.
+
+Either way the window policy first demotes the oldest unpinned turns if the turn would not fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from cache.ids import PrefixKey, SessionId, TenantId
+from cache.prefix_pool import prefix_key
+from cache.session_cache import LayerKind, LayerSpan, SessionCache
+from cache.tier_manager import Lease, TierManager
+from cache.tiers import Tier
+from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation, kept_layers
+from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence
+from sessions.detokenizer import IncrementalDetokenizer
+from sessions.engine import Engine
+from sessions.errors import ContextTooLong
+from sessions.records import FinishReason, Reply, RestoreSource, TurnStats
+from sessions.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_TIER_SOURCES: dict[Tier, RestoreSource] = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
+
+
+@dataclass
+class Transcript:
+    """What a turn needs of the stored conversation (cached in memory per session).
+
+    `token_count`: tokens of the conversation stream fed so far (demoted turns included); it is the
+    stream index at which the next turn's prefill starts.
+    """
+
+    system_prompt: str | None
+    turns: list[PastTurn] = field(default_factory=list)
+    pinned: set[int] = field(default_factory=set)
+    token_count: int = 0
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """Ids of the turn and how they split: `closing` ends the previous turn's layer (dropped when
+    that layer is demoted), `turn` starts the new layer."""
+
+    closing: tuple[int, ...]
+    turn: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """Everything the manager stores after the turn."""
+
+    reply: Reply
+    cache: SessionCache
+    user_token_ids: tuple[int, ...]
+    token_count: int
+
+
+class TurnRunner:
+    """Runs turns; shared by all sessions of a `SessionManager`."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        template: ChatTemplate,
+        tiers: TierManager,
+        window: WindowPolicy,
+        share_base: bool,
+    ) -> None:
+        self.engine = engine
+        self.template = template
+        self.tiers = tiers
+        self.window = window
+        self.share_base = share_base
+
+    def base_key(self, tenant_id: TenantId, session_id: SessionId, base_ids: Sequence[int]) -> PrefixKey:
+        """Pool key of a session's base: salted with the tenant (and the session when sharing is off)."""
+        salt = tenant_id if self.share_base else TenantId(f"{tenant_id}/{session_id}")
+        return prefix_key(salt, self.engine.fingerprint, base_ids)
+
+    def run(
+        self,
+        *,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        user_text: str,
+        params: SamplingParams,
+        lease: Lease,
+    ) -> Iterator[str | TurnOutcome]:
+        """Yield reply text pieces, then one `TurnOutcome`. Nothing is stored here.
+
+        Raises:
+            ContextTooLong: if the turn cannot fit the window; raised before any model work.
+        """
+        started = time.perf_counter()
+        restored = lease.restore()
+        cache = restored.cache
+        if cache is not None and not self._matches(cache, transcript):
+            log.info("session %s: stored cache does not match the transcript; rebuilding", session_id)
+            lease.discard()
+            cache = None
+        source: RestoreSource = "rebuilt" if transcript.turns else "new"
+        if cache is not None and restored.source is not None:
+            source = _TIER_SOURCES[restored.source]
+        plan = None
+        if cache is not None:
+            plan = self._plan_reuse(transcript, user_text)
+            if plan is None:
+                lease.discard()
+                cache = None
+                source = "rebuilt"
+        if cache is not None and plan is not None:
+            prepared = self._prepare_reuse(cache, transcript, plan, params)
+        else:
+            prepared = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
+        yield from self._generate(prepared, transcript, params, started, source, restored.seconds)
+
+    # -- reuse ---------------------------------------------------------------------------------
+
+    def _matches(self, cache: SessionCache, transcript: Transcript) -> bool:
+        """A restored cache is used only if it ends where the transcript does."""
+        if not transcript.turns or not cache.layers:
+            return False
+        last = cache.layers[-1]
+        return cache.next_original_index == transcript.token_count and last.turn_index == len(transcript.turns) - 1
+
+    def _plan_reuse(self, transcript: Transcript, user_text: str) -> TurnPlan | None:
+        try:
+            delta = self.template.next_turn(transcript.system_prompt, transcript.turns, user_text)
+        except TemplateDivergence as exc:
+            log.info("chat template diverges (%s); re-prefilling from the transcript", exc)
+            return None
+        last = transcript.turns[-1].assistant_ids
+        # The last generated token was never fed; a stop token is replaced by the template's own
+        # closing, any other token (length limit) must be fed first.
+        unfed = () if not last or last[-1] in self.engine.stop_token_ids else (last[-1],)
+        return TurnPlan(closing=unfed + delta.closing_ids, turn=delta.turn_ids)
+
+    def _prepare_reuse(
+        self, cache: SessionCache, transcript: Transcript, plan: TurnPlan, params: SamplingParams
+    ) -> _Prepared:
+        cache = _apply_pins(cache, transcript.pinned)
+        window = self._plan_window(cache.layers, cache.base_tokens, plan, params)
+        last = cache.layers[-1]
+        last_demoted = any(span.original_start == last.original_start for span in window.demote)
+        closing = () if last_demoted else plan.closing
+        if window.demote:
+            cache = self._demote(cache, window.demote)
+        spans: list[LayerSpan] = []
+        if closing:
+            spans.append(replace(cache.layers[-1], token_count=cache.layers[-1].token_count + len(closing)))
+        turn_index = len(transcript.turns)
+        spans.append(
+            self._turn_span(
+                turn_index,
+                transcript,
+                transcript.token_count + len(plan.closing),
+                cache.total_tokens + len(closing),
+            )
+        )
+        return _Prepared(
+            cache=cache,
+            prefill=closing + plan.turn,
+            spans=tuple(spans),
+            new_turn_prefill=len(plan.turn),
+            reused_tokens=cache.total_tokens,
+            base_reused=cache.base_tokens,
+            demoted_tokens=window.demoted_tokens,
+            base_computed=0,
+            user_token_ids=plan.closing + plan.turn,
+            stream_before_reply=transcript.token_count + len(plan.closing) + len(plan.turn),
+        )
+
+    def _demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
+        if self.engine.rope_inv_freq is not None:
+            return demote_by_rotation(cache, demote, self.engine.rope_inv_freq)
+        # RoPE variant whose rotations do not compose: recompute the kept layers at their new
+        # positions instead of approximating.
+        kept = kept_layers(cache, demote)
+        ids = [i for span, off in kept for i in cache.own_token_ids[off : off + span.token_count]]
+        spans, position = [], cache.base_tokens
+        for span, _ in kept:
+            spans.append(replace(span, position_start=position))
+            position += span.token_count
+        fresh = self.engine.empty_cache(cache.base)
+        if not ids:
+            return fresh
+        working = fresh.to_working_cache(len(ids))
+        self.engine.prefill(working, ids)
+        return fresh.after_turn(working, ids, spans)
+
+    # -- rebuild -------------------------------------------------------------------------------
+
+    def _prepare_rebuild(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        user_text: str,
+        params: SamplingParams,
+    ) -> _Prepared:
+        try:
+            conversation = self.template.conversation(transcript.system_prompt, transcript.turns, user_text)
+            ids, base_tokens, starts = (
+                conversation.token_ids,
+                conversation.base_tokens,
+                conversation.turn_starts,
+            )
+        except TemplateDivergence as exc:
+            # No stable cut points: one layer for the whole history (re-tokenised), still exact
+            # for what the model sees now.
+            log.warning("chat template has no stable prefix (%s); history becomes one layer", exc)
+            whole = self.template.conversation(transcript.system_prompt, [], _flatten(transcript, user_text))
+            ids, base_tokens, starts = (
+                whole.token_ids,
+                whole.base_tokens,
+                (whole.base_tokens, len(whole.token_ids)),
+            )
+        base_ids = ids[:base_tokens]
+        past_spans = []
+        for index in range(len(starts) - 1):
+            kind = LayerKind.BASE if index in transcript.pinned else LayerKind.TURN
+            past_spans.append(LayerSpan(kind, index, starts[index + 1] - starts[index], starts[index], starts[index]))
+        new_turn = tuple(ids[starts[-1] :])
+        window = self._plan_window(past_spans, base_tokens, TurnPlan((), new_turn), params)
+        dropped = {span.original_start for span in window.demote}
+        kept = [span for span in past_spans if span.original_start not in dropped]
+        base_reused, base_computed = 0, 0
+        base = None
+        if base_tokens:
+            key = self.base_key(tenant_id, session_id, base_ids)
+            base, how = self.tiers.base_layer(tenant_id, key, tuple(base_ids))
+            base_reused = base_tokens if how != "built" else 0
+            base_computed = base_tokens if how == "built" else 0
+        cache = self.engine.empty_cache(base)
+        spans: list[LayerSpan] = []
+        prefill: list[int] = []
+        position = base_tokens
+        for span in kept:
+            prefill.extend(ids[span.original_start : span.original_start + span.token_count])
+            spans.append(replace(span, position_start=position))
+            position += span.token_count
+        prefill.extend(new_turn)
+        turn_index = len(transcript.turns)
+        spans.append(self._turn_span(turn_index, transcript, starts[-1], position))
+        return _Prepared(
+            cache=cache,
+            prefill=tuple(prefill),
+            spans=tuple(spans),
+            new_turn_prefill=len(new_turn),
+            reused_tokens=base_reused,
+            base_reused=base_reused,
+            demoted_tokens=window.demoted_tokens,
+            base_computed=base_computed,
+            user_token_ids=new_turn,
+            stream_before_reply=len(ids),
+        )
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _plan_window(
+        self, layers: Sequence[LayerSpan], base_tokens: int, plan: TurnPlan, params: SamplingParams
+    ) -> WindowPlan:
+        try:
+            return self.window.plan(layers, base_tokens, len(plan.closing), len(plan.turn), params.max_new_tokens)
+        except ContextOverflow as exc:
+            raise ContextTooLong(exc.needed_tokens, exc.budget_tokens) from None
+
+    def _turn_span(self, turn_index: int, transcript: Transcript, original_start: int, position: int) -> LayerSpan:
+        kind = LayerKind.BASE if turn_index in transcript.pinned else LayerKind.TURN
+        return LayerSpan(kind, turn_index, 0, original_start, position)
+
+    def _generate(
+        self,
+        prepared: _Prepared,
+        transcript: Transcript,
+        params: SamplingParams,
+        started: float,
+        source: RestoreSource,
+        restore_s: float,
+    ) -> Iterator[str | TurnOutcome]:
+        engine = self.engine
+        working = prepared.cache.to_working_cache(len(prepared.prefill) + params.max_new_tokens)
+        logits = engine.prefill(working, prepared.prefill)
+        detokenizer = IncrementalDetokenizer(engine.tokenizer)
+        generated: list[int] = []
+        ttft_s = 0.0
+        decode_started = time.perf_counter()
+        for token in engine.decode(working, logits, params):
+            if not generated:
+                ttft_s = time.perf_counter() - started
+                decode_started = time.perf_counter()
+            generated.append(token)
+            if token in engine.stop_token_ids:
+                break
+            piece = detokenizer.push(token)
+            if piece:
+                yield piece
+        tail = detokenizer.finish()
+        if tail:
+            yield tail
+        decode_s = time.perf_counter() - decode_started
+        appended = (*prepared.prefill, *generated[:-1])
+        spans = list(prepared.spans)
+        spans[-1] = replace(spans[-1], token_count=prepared.new_turn_prefill + len(generated) - 1)
+        cache = prepared.cache.after_turn(working, appended, spans)
+        finish: FinishReason = "stop" if generated and generated[-1] in engine.stop_token_ids else "length"
+        stats = TurnStats(
+            prefill_tokens=len(prepared.prefill) + prepared.base_computed,
+            reused_tokens=prepared.reused_tokens,
+            ttft_s=ttft_s,
+            decode_tokens=len(generated),
+            decode_s=decode_s,
+            restored_from=source,
+            restore_s=restore_s,
+            base_reused_tokens=prepared.base_reused,
+            demoted_tokens=prepared.demoted_tokens,
+            cache_tokens=cache.total_tokens,
+        )
+        reply = Reply(text=detokenizer.text, token_ids=tuple(generated), stats=stats, finish_reason=finish)
+        yield TurnOutcome(reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A turn ready to prefill.
+
+    Attributes:
+        cache: the session cache the turn starts from (after demotion), base attached.
+        prefill: ids to run through the model before the first new token.
+        spans: layer-table rows from the first layer the turn touches; the last is the new turn,
+            whose `token_count` is set once generation finishes.
+        new_turn_prefill: how many of the `prefill` ids (at its end) belong to the new turn.
+        reused_tokens: tokens served from cache (session cache or pooled base).
+        base_reused: part of `reused_tokens` that is the shared base layer.
+        demoted_tokens: tokens windowed out before this turn.
+        base_computed: base-layer tokens prefilled because no copy was stored.
+        user_token_ids: ids recorded with the user message (its closing of the previous turn,
+            framing and text, up to the generation prompt).
+        stream_before_reply: conversation-stream length once the prefill is fed.
+    """
+
+    cache: SessionCache
+    prefill: tuple[int, ...]
+    spans: tuple[LayerSpan, ...]
+    new_turn_prefill: int
+    reused_tokens: int
+    base_reused: int
+    demoted_tokens: int
+    base_computed: int
+    user_token_ids: tuple[int, ...]
+    stream_before_reply: int
+
+
+def _apply_pins(cache: SessionCache, pinned: set[int]) -> SessionCache:
+    layers = [
+        replace(span, kind=LayerKind.BASE) if span.turn_index in pinned and not span.pinned else span
+        for span in cache.layers
+    ]
+    return cache.replace_layers(layers) if layers != list(cache.layers) else cache
+
+
+def _flatten(transcript: Transcript, user_text: str) -> str:
+    parts = [f"{turn.user_text}\n{turn.assistant_text}" for turn in transcript.turns]
+    return "\n".join([*parts, user_text])

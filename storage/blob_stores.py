@@ -1,0 +1,210 @@
+"""Blob stores of the host and disk tiers: sealed bytes by key (tenant id, name).
+
+Both implement the `cache.tiers.BlobStore` protocol structurally (this package does not import
+`cache`). Keys are objects with `tenant_id` and `name` attributes; the disk store rebuilds them
+with the `key_factory` it is given.
+
+Disk layout: `<root>/<tenant id>/<name>.ckv`, one file per blob, written atomically; a row in
+`cache_blobs` per file records tier, path, bytes, SHA-256 and model fingerprint. `reconcile()` at
+start-up makes folder and table agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+import threading
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Generic, Protocol, TypeVar
+
+from storage.atomic_files import TEMP_PREFIX, write_atomic
+from storage.metadata_store import MetadataStore
+
+log = logging.getLogger(__name__)
+
+BLOB_SUFFIX = ".ckv"
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,119}")
+
+
+class KeyLike(Protocol, Hashable):
+    @property
+    def tenant_id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+K = TypeVar("K", bound=KeyLike)
+
+
+def _check_name(part: str) -> str:
+    """Names become path components: refuse anything that could leave the store's folder."""
+    if not _SAFE_NAME.fullmatch(part) or ".." in part:
+        raise ValueError(f"unsafe blob name component: {part!r}")
+    return part
+
+
+class HostBlobStore(Generic[K]):
+    """Sealed blobs in process memory (the `host` tier). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._blobs: dict[K, bytes] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: K, blob: bytes) -> None:
+        with self._lock:
+            self._blobs[key] = bytes(blob)
+
+    def get(self, key: K) -> bytes:
+        with self._lock:
+            return self._blobs[key]
+
+    def delete(self, key: K) -> None:
+        with self._lock:
+            self._blobs.pop(key, None)
+
+    def contains(self, key: K) -> bool:
+        with self._lock:
+            return key in self._blobs
+
+    def nbytes(self, key: K) -> int:
+        with self._lock:
+            blob = self._blobs.get(key)
+            return len(blob) if blob is not None else 0
+
+    def keys(self) -> list[K]:
+        with self._lock:
+            return list(self._blobs)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(len(blob) for blob in self._blobs.values())
+
+
+class DiskBlobStore(Generic[K]):
+    """Sealed blobs as files under `root` (the `disk` tier), indexed in `cache_blobs`.
+
+    Args:
+        root: folder of the blobs (inside the chatkv home); created if absent.
+        metadata: the database holding the `cache_blobs` rows.
+        model_fingerprint: recorded with each row; rows of other fingerprints are invalidated by
+            `reconcile`.
+        key_factory: builds a key from `(tenant_id, name)`.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        metadata: MetadataStore,
+        model_fingerprint: str,
+        key_factory: Callable[[str, str], K],
+    ) -> None:
+        self.root = root
+        self._metadata = metadata
+        self._fingerprint = model_fingerprint
+        self._key_factory = key_factory
+        self._sizes: dict[K, int] = {}
+        self._lock = threading.RLock()
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, key: K) -> Path:
+        return self.root / _check_name(key.tenant_id) / (_check_name(key.name) + BLOB_SUFFIX)
+
+    def put(self, key: K, blob: bytes) -> None:
+        path = self.path_for(key)
+        with self._lock:
+            write_atomic(path, blob)
+            session_id = None if key.name.startswith("base-") else key.name
+            self._metadata.put_blob(
+                tenant_id=key.tenant_id,
+                session_id=session_id,
+                name=key.name,
+                tier="disk",
+                path=str(path.relative_to(self.root)),
+                nbytes=len(blob),
+                checksum=hashlib.sha256(blob).hexdigest(),
+                model_fingerprint=self._fingerprint,
+            )
+            self._sizes[key] = len(blob)
+
+    def get(self, key: K) -> bytes:
+        with self._lock:
+            if key not in self._sizes:
+                raise KeyError(key.name)
+            try:
+                return self.path_for(key).read_bytes()
+            except FileNotFoundError:
+                self._sizes.pop(key, None)
+                raise KeyError(key.name) from None
+
+    def delete(self, key: K) -> None:
+        with self._lock:
+            if self._sizes.pop(key, None) is None and not self.path_for(key).exists():
+                return
+            with contextlib.suppress(FileNotFoundError):
+                self.path_for(key).unlink()
+            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name)
+
+    def contains(self, key: K) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def nbytes(self, key: K) -> int:
+        with self._lock:
+            return self._sizes.get(key, 0)
+
+    def keys(self) -> list[K]:
+        with self._lock:
+            return list(self._sizes)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def reconcile(self) -> list[K]:
+        """Make folder and table agree; return the keys of valid blobs, oldest first.
+
+        Removes temp files left by a crash, files without a row (orphans), rows whose file is
+        missing or has another size, and blobs of another model fingerprint (invalidated).
+        """
+        with self._lock:
+            rows = {(r.tenant_id, r.name): r for r in self._metadata.list_blobs()}
+            self._sizes.clear()
+            kept: list[K] = []
+            for (tenant_id, name), row in rows.items():
+                key = self._key_factory(tenant_id, name)
+                path = self.root / row.path
+                valid = (
+                    row.model_fingerprint == self._fingerprint
+                    and path.is_file()
+                    and path.stat().st_size == row.nbytes
+                    and path.resolve().is_relative_to(self.root.resolve())
+                )
+                if not valid:
+                    log.info("invalidating disk blob %s/%s", tenant_id, name)
+                    with contextlib.suppress(FileNotFoundError, ValueError):
+                        self.path_for(key).unlink()
+                    self._metadata.delete_blob(tenant_id=tenant_id, name=name)
+                    continue
+                self._sizes[key] = row.nbytes
+                kept.append(key)
+            known = {self.root / r.path for r in rows.values()}
+            for path in self.root.rglob("*"):
+                if path.is_file() and (path.name.startswith(TEMP_PREFIX) or path not in known):
+                    log.info("removing orphan file %s", path)
+                    path.unlink(missing_ok=True)
+            return kept
+
+    def remove_tenant_folder(self, tenant_id: str) -> None:
+        """Remove a deleted tenant's folder and anything left in it."""
+        folder = self.root / _check_name(tenant_id)
+        with self._lock:
+            for key in [k for k in self._sizes if k.tenant_id == tenant_id]:
+                self._sizes.pop(key, None)
+            if folder.is_dir():
+                for path in folder.iterdir():
+                    path.unlink(missing_ok=True)
+                folder.rmdir()

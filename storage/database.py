@@ -1,0 +1,77 @@
+"""Database engine creation and schema migrations (Alembic, run programmatically).
+
+SQLite gets WAL journaling (readers do not block the writer) and enforced foreign keys; any other
+SQLAlchemy URL (PostgreSQL) works unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; for SQLite, creates the parent folder and turns on WAL and foreign keys.
+
+    Raises:
+        ValueError: if `url` is not a valid SQLAlchemy URL.
+    """
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ValueError(f"not a database URL: {url!r}") from exc
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, connect_args={"timeout": 30, "check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(parsed, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic configuration pointing at the packaged migrations, for `url`."""
+    config = Config(str(ALEMBIC_INI)) if ALEMBIC_INI.is_file() else Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.attributes["configure_logger"] = False
+    return config
+
+
+def upgrade(url: str, engine: Engine | None = None) -> None:
+    """Apply every pending migration (`chatkv db upgrade`; also run at start-up)."""
+    config = alembic_config(url)
+    if engine is None:
+        engine = make_engine(url)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's migration revision, or `None` for an empty database."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()

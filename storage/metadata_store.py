@@ -1,0 +1,376 @@
+"""Repository over the metadata database: tenants, sessions, messages, cache blob rows.
+
+Every method is one unit of work (one transaction) with keyword-only arguments. Session reads and
+writes filter on the tenant id as well as the session id, so another tenant's session is simply
+not found (invariant 2). Results are frozen records detached from the ORM session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.schema import CacheBlobRow, MessageRow, SessionRow, TenantRow, utcnow
+
+
+class StorageError(Exception):
+    """Base class of storage failures that callers translate into domain errors."""
+
+
+class AlreadyExists(StorageError):
+    """A unique name is taken."""
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    id: str
+    name: str
+    created_at: datetime
+    wrapped_data_key: bytes | None
+    master_key_id: str | None
+    api_key_salt: bytes | None
+    api_key_hash: bytes | None
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    id: str
+    tenant_id: str
+    title: str | None
+    system_prompt: str | None
+    model_fingerprint: str
+    token_count: int
+    message_count: int
+    pinned_turns: tuple[int, ...]
+    last_ttft_s: float | None
+    created_at: datetime
+    last_active_at: datetime
+
+
+@dataclass(frozen=True)
+class MessageRecord:
+    index: int
+    role: str
+    text: str
+    token_ids: tuple[int, ...]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class BlobRecord:
+    tenant_id: str
+    session_id: str | None
+    name: str
+    tier: str
+    path: str
+    nbytes: int
+    checksum: str
+    model_fingerprint: str
+    created_at: datetime
+
+
+def _tenant(row: TenantRow) -> TenantRecord:
+    return TenantRecord(
+        id=row.id,
+        name=row.name,
+        created_at=row.created_at,
+        wrapped_data_key=row.wrapped_data_key,
+        master_key_id=row.master_key_id,
+        api_key_salt=row.api_key_salt,
+        api_key_hash=row.api_key_hash,
+    )
+
+
+def _session(row: SessionRow, message_count: int) -> SessionRecord:
+    return SessionRecord(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        title=row.title,
+        system_prompt=row.system_prompt,
+        model_fingerprint=row.model_fingerprint,
+        token_count=row.token_count,
+        message_count=message_count,
+        pinned_turns=tuple(row.pinned_turns or ()),
+        last_ttft_s=row.last_ttft_s,
+        created_at=row.created_at,
+        last_active_at=row.last_active_at,
+    )
+
+
+def _blob(row: CacheBlobRow) -> BlobRecord:
+    return BlobRecord(
+        tenant_id=row.tenant_id,
+        session_id=row.session_id,
+        name=row.name,
+        tier=row.tier,
+        path=row.path,
+        nbytes=row.nbytes,
+        checksum=row.checksum,
+        model_fingerprint=row.model_fingerprint,
+        created_at=row.created_at,
+    )
+
+
+class MetadataStore:
+    """Tenants, sessions, messages and cache blob rows in one SQLAlchemy database."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
+
+    @contextmanager
+    def _unit(self) -> Iterator[Session]:
+        with self._sessionmaker.begin() as session:
+            yield session
+
+    # -- tenants -------------------------------------------------------------------------------
+
+    def create_tenant(
+        self,
+        *,
+        tenant_id: str,
+        name: str,
+        wrapped_data_key: bytes | None = None,
+        master_key_id: str | None = None,
+    ) -> TenantRecord:
+        """Raises `AlreadyExists` if the name is taken."""
+        try:
+            with self._unit() as db:
+                row = TenantRow(
+                    id=tenant_id,
+                    name=name,
+                    wrapped_data_key=wrapped_data_key,
+                    master_key_id=master_key_id,
+                    created_at=utcnow(),
+                )
+                db.add(row)
+                db.flush()
+                return _tenant(row)
+        except IntegrityError as exc:
+            raise AlreadyExists(f"tenant name taken: {name}") from exc
+
+    def get_tenant(self, *, tenant_id: str | None = None, name: str | None = None) -> TenantRecord | None:
+        with self._unit() as db:
+            query = select(TenantRow)
+            query = (
+                query.where(TenantRow.id == tenant_id) if tenant_id is not None else query.where(TenantRow.name == name)
+            )
+            row = db.scalars(query).first()
+            return _tenant(row) if row else None
+
+    def list_tenants(self) -> list[TenantRecord]:
+        with self._unit() as db:
+            return [_tenant(row) for row in db.scalars(select(TenantRow).order_by(TenantRow.created_at))]
+
+    def set_tenant_key(self, *, tenant_id: str, wrapped_data_key: bytes | None, master_key_id: str | None) -> None:
+        with self._unit() as db:
+            db.execute(
+                update(TenantRow)
+                .where(TenantRow.id == tenant_id)
+                .values(wrapped_data_key=wrapped_data_key, master_key_id=master_key_id)
+            )
+
+    def set_tenant_keys(self, *, wrapped: dict[str, tuple[bytes, str]]) -> None:
+        """Replace several tenants' wrapped data keys in one transaction (master key rotation)."""
+        with self._unit() as db:
+            for tenant_id, (key, key_id) in wrapped.items():
+                db.execute(
+                    update(TenantRow)
+                    .where(TenantRow.id == tenant_id)
+                    .values(wrapped_data_key=key, master_key_id=key_id)
+                )
+
+    def set_api_key(self, *, tenant_id: str, salt: bytes, digest: bytes) -> None:
+        with self._unit() as db:
+            db.execute(
+                update(TenantRow).where(TenantRow.id == tenant_id).values(api_key_salt=salt, api_key_hash=digest)
+            )
+
+    def delete_tenant(self, *, tenant_id: str) -> bool:
+        """Delete the tenant and (by cascade) its sessions, messages and blob rows."""
+        with self._unit() as db:
+            result = db.execute(delete(TenantRow).where(TenantRow.id == tenant_id))
+            return bool(getattr(result, "rowcount", 0))
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def create_session(
+        self,
+        *,
+        tenant_id: str,
+        session_id: str,
+        title: str | None,
+        system_prompt: str | None,
+        model_fingerprint: str,
+        pinned_turns: Sequence[int] = (),
+    ) -> SessionRecord:
+        with self._unit() as db:
+            now = utcnow()
+            row = SessionRow(
+                id=session_id,
+                tenant_id=tenant_id,
+                title=title,
+                system_prompt=system_prompt,
+                model_fingerprint=model_fingerprint,
+                token_count=0,
+                pinned_turns=list(pinned_turns),
+                created_at=now,
+                last_active_at=now,
+            )
+            db.add(row)
+            db.flush()
+            return _session(row, 0)
+
+    def get_session(self, *, tenant_id: str, session_id: str) -> SessionRecord | None:
+        with self._unit() as db:
+            row = db.scalars(
+                select(SessionRow).where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+            ).first()
+            if row is None:
+                return None
+            count = db.scalar(select(func.count()).where(MessageRow.session_id == row.id)) or 0
+            return _session(row, count)
+
+    def list_sessions(
+        self, *, tenant_id: str | None = None, idle_before: datetime | None = None
+    ) -> list[SessionRecord]:
+        """Sessions, most recently active first; all tenants' when `tenant_id` is `None`."""
+        with self._unit() as db:
+            counts = select(MessageRow.session_id, func.count().label("n")).group_by(MessageRow.session_id).subquery()
+            query = select(SessionRow, func.coalesce(counts.c.n, 0)).outerjoin(
+                counts, counts.c.session_id == SessionRow.id
+            )
+            if tenant_id is not None:
+                query = query.where(SessionRow.tenant_id == tenant_id)
+            if idle_before is not None:
+                query = query.where(SessionRow.last_active_at < idle_before)
+            query = query.order_by(SessionRow.last_active_at.desc())
+            return [_session(row, int(n)) for row, n in db.execute(query)]
+
+    def delete_session(self, *, tenant_id: str, session_id: str) -> bool:
+        with self._unit() as db:
+            result = db.execute(
+                delete(SessionRow).where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+            )
+            return bool(getattr(result, "rowcount", 0))
+
+    def messages(self, *, tenant_id: str, session_id: str) -> list[MessageRecord] | None:
+        """The transcript in order, or `None` if the session does not exist for this tenant."""
+        with self._unit() as db:
+            owner = db.scalar(
+                select(SessionRow.id).where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+            )
+            if owner is None:
+                return None
+            rows = db.scalars(select(MessageRow).where(MessageRow.session_id == session_id).order_by(MessageRow.index))
+            return [
+                MessageRecord(
+                    index=r.index,
+                    role=r.role,
+                    text=r.text,
+                    token_ids=tuple(r.token_ids),
+                    created_at=r.created_at,
+                )
+                for r in rows
+            ]
+
+    def record_turn(
+        self,
+        *,
+        tenant_id: str,
+        session_id: str,
+        messages: Sequence[tuple[str, str, Sequence[int]]],
+        token_count: int,
+        model_fingerprint: str,
+        ttft_s: float | None,
+    ) -> int:
+        """Append `(role, text, token_ids)` messages and update the session, in one transaction.
+
+        Returns the index of the first appended message. Raises `KeyError` if the session does not
+        exist for this tenant (deleted while the turn ran).
+        """
+        with self._unit() as db:
+            row = db.scalars(
+                select(SessionRow)
+                .where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+                .with_for_update()
+            ).first()
+            if row is None:
+                raise KeyError(session_id)
+            start = db.scalar(
+                select(func.coalesce(func.max(MessageRow.index) + 1, 0)).where(MessageRow.session_id == session_id)
+            )
+            now = utcnow()
+            for offset, (role, text, ids) in enumerate(messages):
+                db.add(
+                    MessageRow(
+                        session_id=session_id,
+                        index=int(start or 0) + offset,
+                        role=role,
+                        text=text,
+                        token_ids=[int(i) for i in ids],
+                        created_at=now,
+                    )
+                )
+            row.token_count = token_count
+            row.model_fingerprint = model_fingerprint
+            row.last_active_at = now
+            if ttft_s is not None:
+                row.last_ttft_s = ttft_s
+            return int(start or 0)
+
+    def set_pinned_turns(self, *, tenant_id: str, session_id: str, pinned_turns: Sequence[int]) -> None:
+        with self._unit() as db:
+            db.execute(
+                update(SessionRow)
+                .where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+                .values(pinned_turns=sorted(set(pinned_turns)))
+            )
+
+    # -- cache blobs ---------------------------------------------------------------------------
+
+    def put_blob(
+        self,
+        *,
+        tenant_id: str,
+        session_id: str | None,
+        name: str,
+        tier: str,
+        path: str,
+        nbytes: int,
+        checksum: str,
+        model_fingerprint: str,
+    ) -> None:
+        """Insert or replace the row of blob `(tenant_id, name)`."""
+        with self._unit() as db:
+            db.execute(delete(CacheBlobRow).where(CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name))
+            db.add(
+                CacheBlobRow(
+                    tenant_id=tenant_id,
+                    session_id=session_id,
+                    name=name,
+                    tier=tier,
+                    path=path,
+                    nbytes=nbytes,
+                    checksum=checksum,
+                    model_fingerprint=model_fingerprint,
+                    created_at=utcnow(),
+                )
+            )
+
+    def delete_blob(self, *, tenant_id: str, name: str) -> None:
+        with self._unit() as db:
+            db.execute(delete(CacheBlobRow).where(CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name))
+
+    def list_blobs(self, *, tenant_id: str | None = None) -> list[BlobRecord]:
+        with self._unit() as db:
+            query = select(CacheBlobRow).order_by(CacheBlobRow.created_at)
+            if tenant_id is not None:
+                query = query.where(CacheBlobRow.tenant_id == tenant_id)
+            return [_blob(row) for row in db.scalars(query)]

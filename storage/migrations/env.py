@@ -1,0 +1,53 @@
+"""Alembic environment: models and URL from chatkv, so autogenerate compares against the models."""
+
+from __future__ import annotations
+
+from logging.config import fileConfig
+
+from alembic import context
+
+from storage.database import make_engine
+from storage.schema import Base
+
+config = context.config
+if config.config_file_name is not None and config.attributes.get("configure_logger", True):
+    fileConfig(config.config_file_name)
+
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    url = config.get_main_option("sqlalchemy.url")
+    if url:
+        return url
+    from sessions.settings import Settings  # only when run as plain `alembic` from a shell
+
+    return Settings.from_env().resolved_database_url
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True, compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        context.configure(
+            connection=connection, target_metadata=target_metadata, compare_type=True, render_as_batch=True
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    engine = make_engine(_url())
+    with engine.connect() as conn:
+        context.configure(connection=conn, target_metadata=target_metadata, compare_type=True, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

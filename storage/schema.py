@@ -1,0 +1,127 @@
+"""SQLAlchemy 2 models of the metadata database. The schema itself comes from the Alembic
+migrations in `storage/migrations`; tests alone may call `Base.metadata.create_all`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC timestamps on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: chatkv stores UTC-aware timestamps")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UTCDateTime}
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    wrapped_data_key: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    """The tenant's AES-256 data key sealed with the master key (nonce + ciphertext + tag)."""
+    master_key_id: Mapped[str | None] = mapped_column(String(32), default=None)
+    api_key_salt: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    api_key_hash: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+
+    sessions: Mapped[list[SessionRow]] = relationship(
+        back_populates="tenant", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    title: Mapped[str | None] = mapped_column(String(200), default=None)
+    system_prompt: Mapped[str | None] = mapped_column(Text, default=None)
+    model_fingerprint: Mapped[str] = mapped_column(String(64))
+    token_count: Mapped[int] = mapped_column(Integer, default=0)
+    """Tokens of the conversation stream fed to the model so far (demoted turns included)."""
+    pinned_turns: Mapped[list[int]] = mapped_column(JSON, default=list)
+    last_ttft_s: Mapped[float | None] = mapped_column(Float, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_active_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+    tenant: Mapped[TenantRow] = relationship(back_populates="sessions")
+    messages: Mapped[list[MessageRow]] = relationship(
+        back_populates="session",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="MessageRow.index",
+    )
+
+
+class MessageRow(Base):
+    __tablename__ = "messages"
+    __table_args__ = (UniqueConstraint("session_id", "index", name="uq_messages_session_index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(String(16))
+    text: Mapped[str] = mapped_column(Text)
+    token_ids: Mapped[list[int]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    session: Mapped[SessionRow] = relationship(back_populates="messages")
+
+
+class CacheBlobRow(Base):
+    """A sealed cache blob on disk: a session's cache, or a shared base layer (`session_id` null)."""
+
+    __tablename__ = "cache_blobs"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_cache_blobs_tenant_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str | None] = mapped_column(
+        ForeignKey("sessions.id", ondelete="CASCADE"), index=True, default=None
+    )
+    name: Mapped[str] = mapped_column(String(120))
+    tier: Mapped[str] = mapped_column(String(8))
+    path: Mapped[str] = mapped_column(String(512))
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str] = mapped_column(String(64))
+    """SHA-256 of the sealed bytes as written."""
+    model_fingerprint: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
