@@ -5,7 +5,10 @@
 - int4: KIVI (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", 2024):
   keys per channel, in groups of `GROUP` tokens, because key outliers sit in fixed channels; values
   per token, in groups of `GROUP` channels. Asymmetric min/max with a zero point; two codes a byte.
-  The caller keeps the most recent tokens in full precision (KIVI's residual window).
+  The caller keeps the most recent tokens in full precision (KIVI's residual window) and quantises
+  keys in whole token groups only (`int4_token_multiple`), so no group is padded.
+
+Channel groups are `GROUP` channels when `head_dim` is a multiple of it, else the whole head.
 
 Scales and zero points are float32 whatever the cache dtype. All tensors are `[batch, kv_heads,
 seq, head_dim]`; `seq` may be any length (a last partial group is fine).
@@ -37,19 +40,26 @@ class Quantized:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _pad_to_group(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-    size = x.shape[dim]
-    pad = (-size) % GROUP
-    if pad == 0:
-        return x, size
-    widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
-    return torch.nn.functional.pad(x, widths), size
+def int4_token_multiple() -> int:
+    """int4 keys are quantised in groups of this many tokens; a shorter tail stays exact."""
+    return GROUP
+
+
+def _channel_group(head_dim: int) -> int:
+    return GROUP if head_dim % GROUP == 0 else head_dim
+
+
+def _pad_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Pad the token axis (-2) to a whole number of `GROUP`s (only for callers that do not keep
+    the tail exact; the serializer never needs it)."""
+    pad = (-x.shape[-2]) % GROUP
+    return torch.nn.functional.pad(x, [0, 0, 0, pad]) if pad else x
 
 
 def quantize_int8(x: torch.Tensor) -> Quantized:
     """Symmetric int8 per token, groups of `GROUP` channels along `head_dim`."""
-    work, _ = _pad_to_group(x.to(torch.float32), -1)
-    grouped = work.unflatten(-1, (-1, GROUP))  # [b, h, seq, groups, GROUP]
+    group = _channel_group(x.shape[-1])
+    grouped = x.to(torch.float32).unflatten(-1, (-1, group))  # [b, h, seq, groups, group]
     scale = grouped.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
     codes = torch.round(grouped / scale).clamp(-127, 127).to(torch.int8)
     return Quantized(codes.view(torch.uint8), scale, None, tuple(x.shape), "int8")
@@ -79,16 +89,15 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def quantize_int4_keys(keys: torch.Tensor) -> Quantized:
     """KIVI keys: per channel, min/max over groups of `GROUP` tokens."""
-    work, _ = _pad_to_group(keys.to(torch.float32), -2)
-    grouped = work.unflatten(-2, (-1, GROUP))  # [b, h, token_groups, GROUP, head_dim]
+    grouped = _pad_tokens(keys.to(torch.float32)).unflatten(-2, (-1, GROUP))  # [b, h, token_groups, GROUP, head_dim]
     codes, scale, zero = _asymmetric_int4(grouped, dim=-2)
     return Quantized(_pack_nibbles(codes), scale, zero, tuple(keys.shape), "int4_channel")
 
 
 def quantize_int4_values(values: torch.Tensor) -> Quantized:
     """KIVI values: per token, min/max over groups of `GROUP` channels."""
-    work, _ = _pad_to_group(values.to(torch.float32), -1)
-    grouped = work.unflatten(-1, (-1, GROUP))  # [b, h, seq, channel_groups, GROUP]
+    group = _channel_group(values.shape[-1])
+    grouped = values.to(torch.float32).unflatten(-1, (-1, group))  # [b, h, seq, channel_groups, group]
     codes, scale, zero = _asymmetric_int4(grouped, dim=-1)
     return Quantized(_pack_nibbles(codes), scale, zero, tuple(values.shape), "int4_token")
 

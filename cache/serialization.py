@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cache.ids import PrefixKey
-from cache.quantization import Quantized, dequantize, quantize
+from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
 
 FORMAT_VERSION = 1
@@ -36,6 +36,15 @@ def _lossy_mask(cache: SessionCache, precision: str, residual_tokens: int) -> li
         mask.extend([precision != "exact" and not span.pinned] * span.token_count)
     for index in range(max(0, len(mask) - residual_tokens), len(mask)):
         mask[index] = False
+    if precision == "int4":
+        # KIVI quantises keys per channel over whole token groups; the partial tail stays exact.
+        tail = sum(mask) % int4_token_multiple()
+        for index in range(len(mask) - 1, -1, -1):
+            if tail == 0:
+                break
+            if mask[index]:
+                mask[index] = False
+                tail -= 1
     return mask
 
 

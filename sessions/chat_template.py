@@ -5,10 +5,13 @@ as one token or two, a word split differently), which would silently invalidate 
 every later token. So the template is rendered as text, cut at fixed points, and only the
 template's own pieces are tokenised; each assistant content is spliced in as its generated ids:
 
-    text  <|im_start|>system\nS<|im_end|>\n | <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n | Hello! | <|im_end|>\n
-    cut   0                           base_end                                             content     content  turn
-                                                                                           start       end      start 1
-    ids   tokenise                    | tokenise                                         | generated | tokenise
+    piece                                          cut at                  ids
+    <|im_start|>system\nS<|im_end|>\n              0 .. base end           tokenised (the base layer)
+    <|im_start|>user\nQ<|im_end|>\n                base end .. content     tokenised
+      <|im_start|>assistant\n                         start
+    A (the reply content)                          content start .. end    generated ids
+    <|im_end|>\n                                   content end .. turn 1   tokenised (closes turn 0)
+    <|im_start|>user\n...                          turn 1 start ..         tokenised
 
 The cut points come from rendering prefixes of the conversation: the text of turn `i` starts where
 the rendering of the messages before it ends, and assistant content `i` starts where the rendering

@@ -282,6 +282,10 @@ class SessionManager:
         )
         return session_id
 
+    def tiers_key(self, tenant: TenantRef, session_id: str) -> CacheKey:
+        """The tier manager's key of a session (for operators and tests)."""
+        return CacheKey(self._tenant_id(tenant), str(session_id))
+
     def _session_record(self, tenant_id: TenantId, session_id: str) -> SessionRecord:
         record = self.metadata.get_session(tenant_id=tenant_id, session_id=str(session_id))
         if record is None:

@@ -44,8 +44,10 @@ class Message:
     role: Role
     text: str
     token_ids: tuple[int, ...]
-    """Exact ids: for an assistant message, the generated ids (stop token included); for a user
-    message, the ids prefilled for it (template framing and the previous reply's unfed tokens)."""
+    """Exact ids. Assistant: the generated ids, stop token included. User: the stream ids from the
+    end of the previous turn's fed tokens up to the generation prompt (the previous reply's unfed
+    tokens and closing, the template's framing and the message; the first turn's include the
+    system prompt's rendering)."""
     created_at: datetime
 
 

@@ -269,7 +269,8 @@ class TurnRunner:
             base_reused=base_reused,
             demoted_tokens=window.demoted_tokens,
             base_computed=base_computed,
-            user_token_ids=new_turn,
+            # The same ids the reuse path records: everything after the previous turn's fed tokens.
+            user_token_ids=tuple(ids[min(transcript.token_count, starts[-1]) :]),
             stream_before_reply=len(ids),
         )
 

@@ -1,0 +1,173 @@
+"""Issue 4's context window through the manager: demotion, pinning, bounded memory, re-prefill mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cache.session_cache import LayerKind
+from sessions.engine import Engine
+from sessions.errors import InvalidInput
+from sessions.manager import SessionManager
+from sessions.model_source import load_model
+from tests.conftest import MODEL_CACHE, make_settings
+
+MESSAGES = ["hello there", "tell me more", "and then?", "why?", "ok"]
+
+
+def last_turn_stats(home: Path, engine: Engine, budget: int, turns: int) -> tuple[object, SessionManager]:
+    manager = SessionManager(make_settings(home, context_budget_tokens=budget), engine=engine)
+    tenant = manager.create_tenant("acme")
+    sid = manager.open_session(tenant, system_prompt="Be brief.")
+    reply = None
+    for message in MESSAGES[:turns]:
+        reply = manager.chat(tenant, sid, message, max_new_tokens=8)
+    return reply, manager
+
+
+def test_window_exactly_full_demotes_nothing_and_one_token_less_demotes_exactly_one_turn(
+    tmp_path: Path, tiny_engine: Engine
+) -> None:
+    probe, manager = last_turn_stats(tmp_path / "probe", tiny_engine, 4000, 4)
+    manager.close()
+    # Cache before the 4th turn + its prefill + max_new_tokens: the window the turn needs.
+    needed = probe.stats.reused_tokens + probe.stats.prefill_tokens + 8  # type: ignore[attr-defined]
+    full, manager = last_turn_stats(tmp_path / "full", tiny_engine, needed, 4)
+    manager.close()
+    assert full.stats.demoted_tokens == 0  # type: ignore[attr-defined]
+    tight, manager = last_turn_stats(tmp_path / "tight", tiny_engine, needed - 1, 4)
+    with manager:
+        sid = manager.list_sessions("acme")[0].id
+        layers = manager.inspect_session("acme", sid).layers
+        assert [span.turn_index for span in layers if span.kind is LayerKind.TURN] == [1, 2, 3]
+        assert tight.stats.demoted_tokens == probe.stats.reused_tokens - (  # type: ignore[attr-defined]
+            tight.stats.reused_tokens  # type: ignore[attr-defined]
+        )
+
+
+def test_conversation_of_100k_tokens_stays_within_a_small_window(tmp_path: Path, tiny_engine: Engine) -> None:
+    budget = 512
+    max_position = tiny_engine.max_context_tokens
+    with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=budget), engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt="You keep answers short.")
+        key = manager.tiers_key(tenant, sid)
+        message = "tell me a long story about " + "the sea and the sky " * 40  # ~ 250 tokens a turn
+        total = 0
+        turns = 0
+        while total < 100_000:
+            reply = manager.chat(tenant, sid, f"{turns}: {message}", max_new_tokens=16)
+            cache = manager.tiers.peek(key)
+            assert cache is not None
+            assert cache.total_tokens <= budget
+            assert max(span.position_end for span in cache.full_layer_table()) <= min(budget, max_position)
+            assert cache.own_keys[0].shape[-2] == cache.own_tokens
+            total = manager.session_info(tenant, sid).token_count
+            turns += 1
+        assert reply.stats.demoted_tokens > 0
+        assert len(manager.history(tenant, sid)) == 2 * turns  # the transcript keeps every message
+
+
+def test_long_system_prompt_stays_in_the_context_of_every_reply(tmp_path: Path, tiny_engine: Engine) -> None:
+    system_prompt = "Rules: " + "always answer politely and keep to the facts. " * 160
+    settings = make_settings(tmp_path / "home", context_budget_tokens=2048)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        system_ids = manager.template.system_prefix_ids(system_prompt)
+        assert 1400 <= len(system_ids) <= 1700
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt=system_prompt)
+        key = manager.tiers_key(tenant, sid)
+        demoted = 0
+        for turn in range(12):
+            reply = manager.chat(tenant, sid, f"question {turn}: " + "details " * 40, max_new_tokens=16)
+            demoted += reply.stats.demoted_tokens
+            cache = manager.tiers.peek(key)
+            assert cache is not None and cache.total_tokens <= 2048
+            assert cache.base_token_ids == system_ids  # the system prompt is in every reply's context
+        assert demoted > 0
+
+
+def test_pinned_turns_survive_the_window(tmp_path: Path, tiny_engine: Engine) -> None:
+    settings = make_settings(tmp_path / "home", context_budget_tokens=300, pin_first_turn=True)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant)
+        for turn in range(3):
+            manager.chat(tenant, sid, f"turn {turn} " + "words " * 20, max_new_tokens=8)
+        manager.pin_turn(tenant, sid, 2)
+        for turn in range(3, 10):
+            manager.chat(tenant, sid, f"turn {turn} " + "words " * 20, max_new_tokens=8)
+        layers = manager.inspect_session(tenant, sid).layers
+        kept = [span.turn_index for span in layers if span.turn_index is not None]
+        assert 0 in kept and 2 in kept and 1 not in kept
+        assert all(span.kind is LayerKind.BASE for span in layers if span.turn_index in (0, 2))
+        with pytest.raises(InvalidInput, match="demoted"):
+            manager.pin_turn(tenant, sid, 1)
+        with pytest.raises(InvalidInput, match="no turn"):
+            manager.pin_turn(tenant, sid, 99)
+        # Pins are stored: a rebuilt cache (after a restart without blobs) keeps them too.
+        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == (0, 2)
+
+
+@torch.inference_mode()
+def greedy(engine: Engine, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    cache = DynamicCache(config=engine.model.config)
+    inputs, out = torch.tensor([token_ids]), []
+    for _ in range(max_new_tokens):
+        token = int(torch.argmax(engine.model(input_ids=inputs, cache=cache, use_cache=True).logits[0, -1]))
+        out.append(token)
+        if token in engine.stop_token_ids:
+            break
+        inputs = torch.tensor([[token]])
+    return out
+
+
+@pytest.mark.real_model
+def test_reprefill_mode_reply_after_windowing_equals_a_fresh_prefill_of_base_and_kept_turns(
+    tmp_path: Path, real_engine: Engine
+) -> None:
+    # The same model, told its RoPE cannot be shifted: windowing must re-prefill the kept turns.
+    engine = Engine(real_engine.loaded)
+    engine.rope_inv_freq = None
+    settings = make_settings(tmp_path / "home", context_budget_tokens=160)
+    with SessionManager(settings, engine=engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt="You are a concise assistant.")
+        key = manager.tiers_key(tenant, sid)
+        windowed = 0
+        for message in ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city.", "Name a tree."]:
+            before = manager.tiers.peek(key)
+            reply = manager.chat(tenant, sid, message, max_new_tokens=24)
+            if reply.stats.demoted_tokens:
+                windowed += 1
+                after = manager.tiers.peek(key)
+                assert before is not None and after is not None
+                prompt = list(after.token_ids[: after.total_tokens - (reply.stats.decode_tokens - 1)])
+                assert list(reply.token_ids) == greedy(engine, prompt, 24)
+        assert windowed >= 1
+
+
+def test_model_with_a_non_composable_rope_uses_the_reprefill_path(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config)
+    path = tmp_path / "dynamic-rope"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    engine = Engine(load_model(str(path), MODEL_CACHE, "cpu", "float32"))
+    assert engine.rope_inv_freq is None
+    with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=120), engine=engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant)
+        demoted = sum(
+            manager.chat(tenant, sid, f"message {i} " + "x " * 10, max_new_tokens=8).stats.demoted_tokens
+            for i in range(6)
+        )
+        assert demoted > 0
+        cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+        assert cache is not None and cache.total_tokens <= 120

@@ -1,0 +1,146 @@
+"""The public API's contract on bad input and isolation: typed errors, nothing half-stored."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sessions.errors import (
+    ContextTooLong,
+    InvalidInput,
+    SessionBusy,
+    SessionNotFound,
+    TenantExists,
+    TenantNotFound,
+)
+from sessions.manager import SessionManager
+
+
+def test_tenants_are_created_listed_and_resolved_by_id_or_name(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    beta = tiny_manager.create_tenant("beta")
+    assert [t.name for t in tiny_manager.list_tenants()] == ["acme", "beta"]
+    assert tiny_manager.get_tenant(acme.id) == acme == tiny_manager.get_tenant("acme")
+    assert tiny_manager.get_tenant(beta) == beta
+    with pytest.raises(TenantExists):
+        tiny_manager.create_tenant("acme")
+    for bad in ("", "a b", "x" * 65, "tn_sneaky", "-dash"):
+        with pytest.raises(InvalidInput):
+            tiny_manager.create_tenant(bad)
+    with pytest.raises(TenantNotFound):
+        tiny_manager.get_tenant("nobody")
+
+
+def test_another_tenants_session_is_indistinguishable_from_a_missing_one(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    beta = tiny_manager.create_tenant("beta")
+    sid = tiny_manager.open_session(acme, title="private")
+    tiny_manager.chat(acme, sid, "secret plans", max_new_tokens=4)
+    missing = "s_000000000000000000000000"
+    for call in (
+        lambda s: tiny_manager.chat(beta, s, "hi", max_new_tokens=2),
+        lambda s: tiny_manager.history(beta, s),
+        lambda s: tiny_manager.session_info(beta, s),
+        lambda s: tiny_manager.delete_session(beta, s),
+        lambda s: tiny_manager.pin_turn(beta, s, 0),
+        lambda s: tiny_manager.evict_session(beta, s, "disk"),
+        lambda s: tiny_manager.inspect_session(beta, s),
+    ):
+        with pytest.raises(SessionNotFound) as theirs:
+            call(sid)
+        with pytest.raises(SessionNotFound) as absent:
+            call(missing)
+        assert str(theirs.value).replace(sid, "ID") == str(absent.value).replace(missing, "ID")
+    assert [s.id for s in tiny_manager.list_sessions(beta)] == []
+    assert len(tiny_manager.history(acme, sid)) == 2
+
+
+def test_bad_messages_and_parameters_are_rejected_before_anything_is_stored(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    for kwargs in ({"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(InvalidInput):
+            tiny_manager.chat(tenant, sid, "hi", **kwargs)  # type: ignore[arg-type]
+    for message in ("", "   \n"):
+        with pytest.raises(InvalidInput):
+            tiny_manager.chat(tenant, sid, message)
+    assert tiny_manager.history(tenant, sid) == []
+    assert tiny_manager.session_info(tenant, sid).token_count == 0
+
+
+def test_message_longer_than_the_context_raises_context_too_long_and_stores_nothing(
+    tiny_manager: SessionManager,
+) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    first = tiny_manager.chat(tenant, sid, "hello", max_new_tokens=4)
+    before = tiny_manager.session_info(tenant, sid)
+    cache_before = tiny_manager.tiers.peek(tiny_manager.tiers_key(tenant, sid))
+    huge = "word " * (tiny_manager.context_budget_tokens + 10)
+    with pytest.raises(ContextTooLong) as error:
+        tiny_manager.chat(tenant, sid, huge, max_new_tokens=4)
+    assert error.value.limit_tokens == tiny_manager.context_budget_tokens
+    assert error.value.needed_tokens > tiny_manager.context_budget_tokens
+    after = tiny_manager.session_info(tenant, sid)
+    assert (
+        (after.token_count, after.message_count)
+        == (before.token_count, before.message_count)
+        == (
+            first.stats.cache_tokens,
+            2,
+        )
+    )
+    assert tiny_manager.tiers.peek(tiny_manager.tiers_key(tenant, sid)) is cache_before
+    again = tiny_manager.chat(tenant, sid, "still there?", max_new_tokens=4)
+    assert again.stats.restored_from == "device"
+    assert again.stats.reused_tokens == first.stats.cache_tokens
+
+
+def test_second_turn_on_a_busy_session_raises_session_busy(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    stream = tiny_manager.stream_chat(tenant, sid, "hello", max_new_tokens=64, temperature=1.0, seed=1)
+    next(stream)  # the first turn is now in flight, holding the session's lease
+    with pytest.raises(SessionBusy):
+        tiny_manager.chat(tenant, sid, "me too", max_new_tokens=2)
+    for _ in stream:
+        pass
+    assert len(tiny_manager.history(tenant, sid)) == 2
+
+
+def test_abandoned_stream_stores_nothing_and_releases_the_session(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    stream = tiny_manager.stream_chat(tenant, sid, "hello", max_new_tokens=64, temperature=1.0, seed=1)
+    next(stream)
+    stream.close()
+    assert tiny_manager.history(tenant, sid) == []
+    reply = tiny_manager.chat(tenant, sid, "hello again", max_new_tokens=4)
+    assert reply.stats.restored_from == "new"
+
+
+def test_concurrent_turns_on_different_sessions_all_complete(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sessions = [tiny_manager.open_session(tenant) for _ in range(4)]
+
+    def run(sid: str) -> None:
+        for message in ("one", "two"):
+            tiny_manager.chat(tenant, sid, message, max_new_tokens=8)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for future in [pool.submit(run, sid) for sid in sessions]:
+            future.result()  # re-raises any error of the thread
+    assert [tiny_manager.session_info(tenant, sid).message_count for sid in sessions] == [4, 4, 4, 4]
+
+
+def test_deleted_session_is_gone_everywhere(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    tiny_manager.chat(tenant, sid, "hello", max_new_tokens=4)
+    tiny_manager.delete_session(tenant, sid)
+    with pytest.raises(SessionNotFound):
+        tiny_manager.history(tenant, sid)
+    assert tiny_manager.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
+    with pytest.raises(SessionNotFound):
+        tiny_manager.delete_session(tenant, sid)

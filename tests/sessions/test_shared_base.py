@@ -1,0 +1,78 @@
+"""Issue 4's shared base layer: one KV per tenant and system prompt, never across tenants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cache.prefix_pool import prefix_key
+from cache.tiers import CacheKey, Tier
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from storage import codec
+from tests.conftest import make_settings
+
+SYSTEM = "You are the support bot of Acme. " * 12
+
+
+def first_turn(manager: SessionManager, tenant: object, system: str = SYSTEM):  # type: ignore[no-untyped-def]
+    sid = manager.open_session(tenant, system_prompt=system)  # type: ignore[arg-type]
+    return sid, manager.chat(tenant, sid, "Where is my order?", max_new_tokens=6)  # type: ignore[arg-type]
+
+
+def test_second_session_of_a_tenant_prefills_only_its_first_message(tiny_manager: SessionManager) -> None:
+    base_tokens = len(tiny_manager.template.system_prefix_ids(SYSTEM))
+    acme = tiny_manager.create_tenant("acme")
+    _, one = first_turn(tiny_manager, acme)
+    _, two = first_turn(tiny_manager, acme)
+    assert one.stats.reused_tokens == 0 and one.stats.base_reused_tokens == 0
+    assert two.stats.reused_tokens == two.stats.base_reused_tokens == base_tokens
+    assert two.stats.prefill_tokens == one.stats.prefill_tokens - base_tokens
+    assert one.token_ids == two.token_ids  # the shared base is the same KV: same greedy reply
+    assert len(tiny_manager.tiers.pool) == 1
+
+
+def test_another_tenant_with_the_same_prompt_gets_no_hit(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    beta = tiny_manager.create_tenant("beta")
+    first_turn(tiny_manager, acme)
+    _, theirs = first_turn(tiny_manager, beta)
+    assert theirs.stats.reused_tokens == 0 and theirs.stats.base_reused_tokens == 0
+    assert len(tiny_manager.tiers.pool) == 2
+    ids = tiny_manager.template.system_prefix_ids(SYSTEM)
+    fingerprint = tiny_manager.engine.fingerprint
+    assert prefix_key(acme.id, fingerprint, ids) != prefix_key(beta.id, fingerprint, ids)
+
+
+def test_sharing_can_be_turned_off(tmp_path: Path, tiny_engine: Engine) -> None:
+    with SessionManager(make_settings(tmp_path / "home", share_base=False), engine=tiny_engine) as manager:
+        acme = manager.create_tenant("acme")
+        first_turn(manager, acme)
+        _, two = first_turn(manager, acme)
+        assert two.stats.reused_tokens == 0
+
+
+def test_offloaded_sessions_store_a_reference_to_the_base_not_a_copy(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    sessions = [first_turn(tiny_manager, acme)[0] for _ in range(2)]
+    for sid in sessions:
+        assert tiny_manager.evict_session(acme, sid, "disk") == "disk"
+    disk = tiny_manager.disk_store
+    names = sorted(key.name for key in disk.keys())
+    assert len(names) == 3 and sum(name.startswith("base-") for name in names) == 1  # one base blob for both
+    for sid in sessions:
+        cache = tiny_manager.tiers.stored_cache(CacheKey(acme.id, sid))
+        assert cache is not None and cache.base is None and cache.base_tokens > 0
+        assert cache.own_keys[0].shape[-2] == cache.own_tokens
+    # Restoring re-attaches the one pooled base: bit-identical to the base the sessions started with.
+    pooled = tiny_manager.tiers.pool.get(cache.base_key)  # type: ignore[arg-type]
+    reply = tiny_manager.chat(acme, sessions[0], "thanks", max_new_tokens=4)
+    assert reply.stats.restored_from == "disk"
+    restored = tiny_manager.tiers.peek(CacheKey(acme.id, sessions[0]))
+    assert restored is not None and restored.base is not None
+    if pooled is not None:
+        assert all(torch.equal(a, b) for a, b in zip(restored.base.keys, pooled.keys, strict=True))
+    assert tiny_manager.tiers.placement(CacheKey(acme.id, sessions[1])) is Tier.DISK
+    blob = disk.path_for(CacheKey(acme.id, sessions[1])).read_bytes()
+    assert codec is not None and len(blob) < tiny_manager.engine.layout.bytes_per_token * cache.total_tokens

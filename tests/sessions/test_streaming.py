@@ -1,0 +1,35 @@
+"""Streaming: pieces never split a character, and joined they equal the reply text."""
+
+from __future__ import annotations
+
+from sessions.detokenizer import IncrementalDetokenizer
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+
+TEXT = "猫が好きです 🐱🎉 naïve café"
+
+
+def test_detokenizer_holds_back_split_characters(real_engine: Engine) -> None:
+    tokenizer = real_engine.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    # The test is only meaningful if some token ends inside a multi-byte character.
+    partial = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    assert any(text.endswith("\ufffd") for text in partial)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token) for token in ids]
+    pieces.append(detokenizer.finish())
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == TEXT == detokenizer.text
+
+
+def test_stream_chat_pieces_join_to_reply_text(tiny_manager: SessionManager) -> None:
+    """A random tiny model sampled at temperature 1 emits many byte-level pieces of multi-byte
+    characters; whatever it emits, the streamed pieces must join to the reply text."""
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    items = list(tiny_manager.stream_chat(tenant, sid, "hello", max_new_tokens=200, temperature=1.0, seed=7))
+    reply = items[-1]
+    pieces = items[:-1]
+    assert all(isinstance(piece, str) and piece for piece in pieces)
+    assert "".join(pieces) == reply.text  # type: ignore[arg-type]
+    assert any(ord(ch) > 0x7F for ch in reply.text)  # type: ignore[union-attr]
