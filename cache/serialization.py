@@ -67,10 +67,14 @@ def session_cache_to_tensors(
     """Flatten a session cache (its own tokens and the base reference, never the base tensors)."""
     mask = _lossy_mask(cache, precision, residual_tokens)
     lossy = torch.tensor(mask, dtype=torch.bool)
+    any_lossy = bool(lossy.any())
     tensors: dict[str, torch.Tensor] = {}
     for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
         for name, tensor in (("k", keys), ("v", values)):
             cpu = tensor.detach().to("cpu")
+            if not any_lossy:
+                tensors[f"{name}.{index}"] = cpu.contiguous()  # no copy for an exact cache
+                continue
             tensors[f"{name}.{index}"] = cpu[:, :, ~lossy].contiguous()
             if lossy.any():
                 q = quantize(cpu[:, :, lossy], precision, is_key=name == "k")
@@ -134,14 +138,16 @@ def _session_cache_from_tensors(
     mask = torch.zeros(len(own_ids), dtype=torch.bool)
     for start, end in header["lossy_ranges"]:
         mask[start:end] = True
+    any_lossy = bool(mask.any())
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for index in range(int(header["num_model_layers"])):
         for name, out in (("k", keys), ("v", values)):
             exact = tensors[f"{name}.{index}"]
-            full = exact.new_empty((*exact.shape[:2], len(own_ids), exact.shape[3]))
-            full[:, :, ~mask] = exact
-            if mask.any():
+            full = exact  # an exact cache needs no scatter: the decoded tensor is used as is
+            if any_lossy:
+                full = exact.new_empty((*exact.shape[:2], len(own_ids), exact.shape[3]))
+                full[:, :, ~mask] = exact
                 shape = (*exact.shape[:2], int(mask.sum()), exact.shape[3])
                 zero = tensors.get(f"{name}q.{index}.zero")
                 scheme = "int8" if zero is None else ("int4_channel" if name == "k" else "int4_token")
