@@ -1,0 +1,40 @@
+"""Quantised demotion through the manager: lossy turn layers in lower tiers, exact base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from tests.conftest import make_settings
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_offloaded_turn_layers_are_stored_quantised_and_the_base_exact(
+    tmp_path: Path, tiny_engine: Engine, precision: str
+) -> None:
+    settings = make_settings(tmp_path / "home", offload_precision=precision, quant_residual_tokens=8)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt="System prompt " * 10)
+        for turn in range(3):
+            manager.chat(tenant, sid, f"message {turn} " + "words " * 30, max_new_tokens=8)
+        key = manager.tiers_key(tenant, sid)
+        hot = manager.tiers.peek(key)
+        assert hot is not None
+        assert manager.evict_session(tenant, sid, "host") == "host"
+        host_bytes = manager.tiers.entry_bytes(key)
+        layers = manager.inspect_session(tenant, sid).layers
+        assert layers[0].kind.value == "base" and layers[0].precision == "exact"
+        assert any(span.precision == precision for span in layers[1:])
+        reply = manager.chat(tenant, sid, "go on", max_new_tokens=4)
+        assert reply.stats.restored_from == "host"
+        assert reply.stats.reused_tokens == hot.total_tokens  # length accounting includes quantised tokens
+        restored = manager.tiers.peek(key)
+        assert restored is not None and restored.base is not None
+        assert all(torch.equal(a, b) for a, b in zip(restored.base.keys, hot.base.keys, strict=True))  # type: ignore[union-attr]
+        exact_bytes = hot.own_nbytes
+        assert host_bytes < exact_bytes * (0.6 if precision == "int8" else 0.45)
