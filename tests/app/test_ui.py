@@ -1,0 +1,247 @@
+"""The chat UI's event handlers and the server routes, without a browser: a real manager on a tiny
+model, a real SQLite file and real encryption."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator
+from typing import cast
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.server import build_app
+from app.ui import LOCAL_TENANT, UNKNOWN_KEY_MESSAGE, ChatUI, View, ViewState, _error_html
+from sessions.manager import SessionManager
+from sessions.records import Reply
+
+UNKNOWN_KEY_HTML = _error_html(UNKNOWN_KEY_MESSAGE)
+
+
+def _stat(view: View, name: str) -> str:
+    match = re.search(rf'data-stat="{name}">([^<]*)<', view.stats_line)
+    assert match, view.stats_line
+    return match.group(1)
+
+
+def _send(ui: ChatUI, state: ViewState, message: str, max_new_tokens: int = 6) -> list[View]:
+    return list(ui.send(message, max_new_tokens, 0.0, state))
+
+
+def _choice_ids(view: View) -> list[str]:
+    return [value for _, value in view.session_picker["choices"]]
+
+
+def test_healthz_metrics_and_page_are_served(tiny_manager: SessionManager) -> None:
+    with TestClient(build_app(tiny_manager, local=True, token="t0ken")) as client:
+        health = client.get("/healthz")
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok", "model": tiny_manager.model_name}
+        metrics = client.get("/metrics")
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+        assert "chatkv_tier_bytes" in metrics.text
+        page = client.get("/")
+        assert page.status_code == 200
+        assert '<meta property="og:title" content="chatkv" />' in page.text
+
+
+def test_wrong_and_unknown_keys_get_the_same_answer(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    key = tiny_manager.issue_api_key(acme)
+    ui = ChatUI(tiny_manager, local=False)
+    assert ui.on_load(ViewState()).main_panel["visible"] is False
+    wrong_secret = key[: key.rindex("_") + 1] + "not-the-secret"
+    unknown_tenant = "ckv_tn_00000000000000ff_" + key[key.rindex("_") + 1 :]
+    for bad in (wrong_secret, unknown_tenant, "hello", ""):
+        view = ui.login(bad, ViewState())
+        assert view.login_message == UNKNOWN_KEY_HTML, bad
+        assert view.state == ViewState()
+        assert view.main_panel["visible"] is False
+        assert view.api_key == ""
+    view = ui.login(f"  {key} ", ViewState())
+    assert view.state.tenant == acme
+    assert view.login_message == ""
+    assert view.main_panel["visible"] is True
+    assert view.login_panel["visible"] is False
+
+
+def test_a_tenant_key_never_reaches_another_tenants_sessions(tiny_manager: SessionManager) -> None:
+    acme, beta = tiny_manager.create_tenant("acme"), tiny_manager.create_tenant("beta")
+    acme_sid = tiny_manager.open_session(acme, title="acme plans")
+    beta_sid = tiny_manager.open_session(beta, title="beta secrets")
+    ui = ChatUI(tiny_manager, local=False)
+    signed_in = ui.login(tiny_manager.issue_api_key(acme), ViewState())
+    assert _choice_ids(signed_in) == [acme_sid]
+    assert all("beta" not in label for label, _ in signed_in.session_picker["choices"])
+    state = signed_in.state
+    # Another tenant's id (as a crafted client could send) reads exactly like a missing one.
+    foreign = ui.select_session(beta_sid, state)
+    missing = ui.select_session("s_000000000000000000000000", state)
+    assert foreign.error_line == _error_html(f"session not found: {beta_sid}")
+    assert missing.error_line == _error_html("session not found: s_000000000000000000000000")
+    assert foreign.state == state
+    assert foreign.chatbot == {"__type__": "update"}
+    views = _send(ui, ViewState(tenant=acme, session_id=beta_sid), "hi")
+    assert [v.error_line for v in views][-1] == _error_html(f"session not found: {beta_sid}")
+    assert tiny_manager.history(beta, beta_sid) == []
+
+
+def test_local_mode_signs_in_as_the_local_tenant_once(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    first = ui.on_load(ViewState())
+    second = ui.on_load(ViewState())
+    assert first.state.tenant is not None and first.state.tenant.name == LOCAL_TENANT
+    assert second.state.tenant == first.state.tenant
+    assert [t.name for t in tiny_manager.list_tenants()] == [LOCAL_TENANT]
+    assert first.main_panel["visible"] is True
+
+
+def test_two_turns_stream_and_the_second_reuses_the_cache(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    first = _send(ui, state, "Hello there")
+    # Without an open session a new one is started, shown in the picker, and the box is cleared.
+    assert first[0].chatbot == [{"role": "user", "content": "Hello there"}]
+    assert first[0].message == ""
+    sid = first[0].state.session_id
+    assert sid is not None and _choice_ids(first[0]) == [sid]
+    assert len(first) >= 3  # the opening view, at least one streamed piece, the final view
+    one = first[-1]
+    [user, assistant] = tiny_manager.history(LOCAL_TENANT, sid)
+    assert one.chatbot == [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": assistant.text}]
+    assert _stat(one, "turn") == "1"
+    assert _stat(one, "restored_from") == "new"
+    assert _stat(one, "reused_tokens") == "0"
+    assert int(_stat(one, "prefill_tokens")) == len(user.token_ids)
+    context_1 = int(_stat(one, "context_tokens"))
+
+    two = _send(ui, one.state, "And then?")[-1]
+    [_, _, user_2, _] = tiny_manager.history(LOCAL_TENANT, sid)
+    assert _stat(two, "turn") == "2"
+    assert _stat(two, "restored_from") == "device"
+    assert int(_stat(two, "reused_tokens")) == context_1
+    assert int(_stat(two, "prefill_tokens")) == len(user_2.token_ids) < context_1
+    assert [row[0] for row in two.stats_table] == [1, 2]
+    assert len(two.chatbot) == 4
+    assert "4 messages" in two.session_info
+
+
+def test_selecting_a_session_shows_its_history(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    done = _send(ui, ui.on_load(ViewState()).state, "Remember me")[-1]
+    sid = done.state.session_id
+    assert sid is not None
+    other_tab = ui.on_load(ViewState())
+    assert other_tab.chatbot == [] and other_tab.state.session_id is None
+    assert _choice_ids(other_tab) == [sid]
+    opened = ui.select_session(sid, other_tab.state)
+    assert opened.chatbot == done.chatbot
+    assert opened.state.session_id == sid
+    assert opened.state.shown == done.state.shown
+    assert opened.error_line == ""
+
+
+def test_new_session_with_title_and_system_prompt(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    view = ui.new_session(" Trip ", "You are terse.", state)
+    sid = view.state.session_id
+    assert sid is not None
+    assert view.session_picker["value"] == sid
+    [(label, value)] = view.session_picker["choices"]
+    assert value == sid and label.startswith("Trip · ")
+    assert "system prompt: You are terse." in view.session_info
+    info = tiny_manager.session_info(LOCAL_TENANT, sid)
+    assert (info.title, info.system_prompt) == ("Trip", "You are terse.")
+    untitled = ui.new_session("", "  ", state).state.session_id
+    assert untitled is not None
+    assert tiny_manager.session_info(LOCAL_TENANT, untitled).system_prompt is None
+
+
+def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.new_session("", "", ui.on_load(ViewState()).state).state
+    assert state.session_id is not None
+    too_long = _send(ui, state, "hi", max_new_tokens=100_000)[-1]
+    assert re.fullmatch(
+        r'<div class="chatkv-error" role="alert">message too long: needs \d+ tokens of context, the limit is \d+</div>',
+        too_long.error_line,
+    )
+    assert too_long.message == "hi"  # given back to the user to edit
+    assert too_long.chatbot == []
+    assert tiny_manager.history(LOCAL_TENANT, state.session_id) == []
+
+    title = ui.new_session("x" * 201, "", state)
+    assert title.error_line == _error_html("title must be a string of at most 200 characters")
+    assert title.state == state
+
+    empty = _send(ui, state, "   ")
+    assert [v.error_line for v in empty] == [_error_html("type a message first")]
+
+
+def test_a_second_turn_in_flight_on_the_session_is_refused(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.new_session("", "", ui.on_load(ViewState()).state).state
+    assert state.session_id is not None and state.tenant is not None
+    # stream_chat is a generator (annotated as an Iterator); closing it releases the lease.
+    in_flight = cast(
+        Generator[str | Reply, None, None],
+        tiny_manager.stream_chat(state.tenant, state.session_id, "first", max_new_tokens=4),
+    )
+    next(in_flight)  # holds the session's lease until closed
+    try:
+        busy = _send(ui, state, "second")[-1]
+    finally:
+        in_flight.close()
+    assert busy.error_line == _error_html(f"session {state.session_id} has a turn in flight; wait for its reply")
+    assert _send(ui, state, "second")[-1].error_line == {"__type__": "update"}
+
+
+def test_signed_out_tabs_can_do_nothing(tiny_manager: SessionManager) -> None:
+    tiny_manager.open_session(tiny_manager.create_tenant("acme"))
+    ui = ChatUI(tiny_manager, local=False)
+    state = ViewState()
+    sign_in_first = _error_html("sign in first")
+    assert [v.error_line for v in _send(ui, state, "hi")] == [sign_in_first]
+    assert ui.refresh_sessions(state).error_line == sign_in_first
+    assert ui.new_session("t", "", state).error_line == sign_in_first
+    assert ui.select_session("s_000000000000000000000000", state).error_line == sign_in_first
+
+
+def test_sign_out_clears_every_tenant_derived_output(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    ui = ChatUI(tiny_manager, local=False)
+    state = ui.login(tiny_manager.issue_api_key(acme), ViewState()).state
+    chatted = _send(ui, state, "hello")[-1]
+    out = ui.sign_out(chatted.state)
+    assert out.state == ViewState()
+    assert (out.chatbot, out.stats_table, out.stats_line, out.session_info, out.tenant_line) == ([], [], "", "", "")
+    assert out.session_picker["choices"] == []
+    assert out.main_panel["visible"] is False
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_page_builds_with_stable_element_ids(tiny_manager: SessionManager, local: bool) -> None:
+    from app.ui import build_ui
+
+    config = build_ui(tiny_manager, local=local).get_config_file()
+    ids = {c["props"].get("elem_id") for c in config["components"]}
+    assert {"api-key", "login", "session-picker", "chat", "message", "send", "turn-stats", "chat-error"} <= ids
+
+
+def test_clearing_the_chat_leaves_the_session_and_the_next_message_starts_another(
+    tiny_manager: SessionManager,
+) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    chatted = _send(ui, ui.on_load(ViewState()).state, "first")[-1]
+    first_sid = chatted.state.session_id
+    assert first_sid is not None
+    left = ui.leave_session(chatted.state)
+    assert left.state == ViewState(tenant=chatted.state.tenant)
+    assert (left.chatbot, left.session_picker["value"]) == ([], None)
+    again = _send(ui, left.state, "second")[-1]
+    second_sid = again.state.session_id
+    assert second_sid is not None and second_sid != first_sid
+    assert len(tiny_manager.history(LOCAL_TENANT, first_sid)) == 2
+    assert sorted(_choice_ids(again)) == sorted([first_sid, second_sid])

@@ -1,0 +1,222 @@
+"""The real page in headless Chromium against a real server process (tiny model, local mode): two
+turns, and the second one's stats on the page show the cache was reused.
+
+Chromium is the system browser (Debian `chromium`, installed by `.ci/run`); Playwright drives it by
+path and never downloads one. Without it the test is skipped with the reason shown by `-ra`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Page, sync_playwright
+
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from tests.conftest import MASTER_KEY, MODEL_CACHE, make_settings
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+START_TIMEOUT_S = 120.0
+TURN_TIMEOUT_MS = 60_000
+SERVE = (
+    "from sessions import SessionManager; from app.server import serve; "
+    "serve(SessionManager(), port={port}, local={local})"
+)
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str
+    home: Path
+    log: Path
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 30 s; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        return self.process.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"server exited with {server.process.returncode}:\n{server.log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"server not healthy after {START_TIMEOUT_S} s:\n{server.log.read_text()}")
+
+
+@pytest.fixture
+def chromium() -> Path:
+    """The system Chromium; the test is skipped (before a server starts) when it is missing."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} missing: chromium not installed; .ci/run installs it (apt-get install chromium)")
+    return CHROMIUM
+
+
+@contextlib.contextmanager
+def _running_server(home: Path, model_dir: Path, log: Path, *, local: bool) -> Iterator[Server]:
+    """A `serve()` subprocess on a free port, healthy; stopped (and killed if need be) on exit."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "CHATKV_HOME": str(home),
+        "CHATKV_MODEL": str(model_dir),
+        "CHATKV_MODEL_CACHE_DIR": str(MODEL_CACHE),
+        "CHATKV_MASTER_KEY": MASTER_KEY,
+        "CHATKV_THREADS": "1",
+        "GRADIO_ANALYTICS_ENABLED": "False",
+    }
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-c", SERVE.format(port=port, local=local)],
+            cwd=Path(__file__).resolve().parents[2],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    running = Server(process, f"http://127.0.0.1:{port}", home, log)
+    try:
+        _wait_healthy(running)
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def local_server(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Server]:
+    with _running_server(tmp_path / "home", tiny_model_dir, tmp_path / "server.log", local=True) as server:
+        yield server
+
+
+@pytest.fixture
+def keyed_server(tmp_path: Path, tiny_model_dir: Path, tiny_engine: Engine) -> Iterator[tuple[Server, dict[str, str]]]:
+    """A server that asks for API keys, over a home with tenants `acme` and `beta` (one titled
+    session each); yields it with their keys."""
+    home = tmp_path / "home"
+    keys = {}
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        for name in ("acme", "beta"):
+            tenant = manager.create_tenant(name)
+            manager.open_session(tenant, title=f"{name} notes")
+            keys[name] = manager.issue_api_key(tenant)
+    with _running_server(home, tiny_model_dir, tmp_path / "server.log", local=False) as server:
+        yield server, keys
+
+
+def _stats(page: Page, turn: int) -> dict[str, str]:
+    """The figures of the stats line once it shows `turn`."""
+    page.locator(f'#turn-stats [data-stat="turn"]:text-is("{turn}")').wait_for(timeout=TURN_TIMEOUT_MS)
+    figures = page.locator("#turn-stats [data-stat]")
+    return {
+        figures.nth(i).get_attribute("data-stat") or "": figures.nth(i).inner_text() for i in range(figures.count())
+    }
+
+
+def _send(page: Page, text: str) -> None:
+    box = page.locator("#message textarea")
+    box.fill(text)
+    box.press("Enter")
+
+
+def test_second_turn_in_the_browser_reuses_the_cache(chromium: Path, local_server: Server) -> None:
+    server = local_server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(server.url)
+            page.locator("#message textarea").wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            assert "local" in page.locator("#tenant-line").inner_text()
+            max_new_tokens = page.locator("#max-new-tokens input[type=number]")
+            max_new_tokens.fill("6")
+            max_new_tokens.press("Enter")
+
+            _send(page, "Hello there")
+            first = _stats(page, 1)
+            _send(page, "And then?")
+            second = _stats(page, 2)
+
+            assert first["restored_from"] == "new"
+            assert first["reused_tokens"] == "0"
+            assert second["restored_from"] == "device"
+            assert int(second["reused_tokens"]) == int(first["context_tokens"]) > 0
+            assert int(second["prefill_tokens"]) < int(first["context_tokens"])
+            assert float(second["ttft_ms"]) > 0
+            assert page.locator("#chat").get_by_text("And then?").count() == 1
+            assert page.locator("#chat-error").inner_text().strip() == ""
+        finally:
+            browser.close()
+
+    # SIGTERM shuts the server down cleanly: caches persisted, home lock released.
+    assert server.stop() == 128 + signal.SIGTERM, server.log.read_text()
+    assert not (server.home / "server.lock").exists()
+
+
+def test_the_page_asks_for_a_key_and_shows_only_that_tenants_sessions(
+    chromium: Path, keyed_server: tuple[Server, dict[str, str]]
+) -> None:
+    server, keys = keyed_server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(server.url)
+            key_box = page.locator("#api-key input")
+            key_box.wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            assert not page.locator("#message textarea").is_visible()
+
+            key_box.fill(keys["acme"][:-4] + "AAAA")
+            page.locator("#login").click()
+            page.locator("#login-message .chatkv-error").wait_for(timeout=TURN_TIMEOUT_MS)
+            assert page.locator("#login-message").inner_text().strip() == "unknown API key"
+
+            key_box.fill(keys["acme"])
+            key_box.press("Enter")
+            page.locator("#message textarea").wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            assert "acme" in page.locator("#tenant-line").inner_text()
+            page.locator("#session-picker input").click()
+            options = [text.split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
+            assert options == ["acme notes"]
+        finally:
+            browser.close()
