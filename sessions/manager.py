@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -429,7 +429,7 @@ class SessionManager:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
-    ) -> Iterator[str | Reply]:
+    ) -> Generator[str | Reply, None, None]:
         """Yield reply text pieces as they are generated, then the `Reply`. The pieces joined equal
         `Reply.text`. The turn is stored when the generator finishes; abandoning it stores nothing.
 
