@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import html
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import gradio as gr
 
@@ -254,12 +254,9 @@ class ChatUI:
             state = replace(state, session_id=session_id)
         shown = (*state.shown, ("user", text))
         yield _view(state, chatbot=_chat(shown), message="", session_picker=picker, error_line="")
-        # A generator in fact; closing it when this tab goes away releases the session's lease at once.
-        stream = cast(
-            Generator[str | Reply, None, None],
-            self.manager.stream_chat(
-                tenant, session_id, text, max_new_tokens=int(max_new_tokens), temperature=float(temperature)
-            ),
+        # Closing the generator when this tab goes away releases the session's lease at once.
+        stream = self.manager.stream_chat(
+            tenant, session_id, text, max_new_tokens=int(max_new_tokens), temperature=float(temperature)
         )
         pieces: list[str] = []
         reply: Reply | None = None

@@ -4,8 +4,6 @@ model, a real SQLite file and real encryption."""
 from __future__ import annotations
 
 import re
-from collections.abc import Generator
-from typing import cast
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,7 +11,6 @@ from fastapi.testclient import TestClient
 from app.server import build_app
 from app.ui import LOCAL_TENANT, UNKNOWN_KEY_MESSAGE, ChatUI, View, ViewState, _error_html
 from sessions.manager import SessionManager
-from sessions.records import Reply
 
 UNKNOWN_KEY_HTML = _error_html(UNKNOWN_KEY_MESSAGE)
 
@@ -184,11 +181,8 @@ def test_a_second_turn_in_flight_on_the_session_is_refused(tiny_manager: Session
     ui = ChatUI(tiny_manager, local=True)
     state = ui.new_session("", "", ui.on_load(ViewState()).state).state
     assert state.session_id is not None and state.tenant is not None
-    # stream_chat is a generator (annotated as an Iterator); closing it releases the lease.
-    in_flight = cast(
-        Generator[str | Reply, None, None],
-        tiny_manager.stream_chat(state.tenant, state.session_id, "first", max_new_tokens=4),
-    )
+    # Closing the stream_chat generator releases the lease.
+    in_flight = tiny_manager.stream_chat(state.tenant, state.session_id, "first", max_new_tokens=4)
     next(in_flight)  # holds the session's lease until closed
     try:
         busy = _send(ui, state, "second")[-1]
