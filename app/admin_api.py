@@ -1,0 +1,150 @@
+"""The admin JSON API under `/admin/`: everything the `chatkv` CLI does, on the server's live manager.
+
+Every route needs `Authorization: Bearer <admin token>` (401 otherwise, compared in constant time).
+Errors are `{"error": "..."}` with the status of the `sessions.errors` type (404 for an unknown
+tenant, and for a session id of another tenant exactly as for a missing one). Routes are plain
+`def`s because the manager blocks on the model and the disk: FastAPI runs them in its threadpool.
+
+    GET    /admin/tenants                         POST /admin/tenants {"name": ...}
+    GET    /admin/tenants/{tenant}                DELETE /admin/tenants/{tenant}
+    POST   /admin/tenants/{tenant}/api-key        (rotate; the new key is in the answer, once)
+    GET    /admin/sessions?tenant=&tier=&idle_for_s=
+    GET    /admin/sessions/{id}?tenant=           (inspect)      DELETE /admin/sessions/{id}?tenant=
+    GET    /admin/sessions/{id}/export?tenant=    POST /admin/sessions/{id}/evict?tenant=&to=host|disk|drop
+    POST   /admin/sessions/{id}/restore?tenant=   (pre-warm onto the device)
+    GET    /admin/stats     POST /admin/keys/rotate-master {"new_key": ...}     POST /admin/gc?dry_run=
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+
+from app.admin_ops import AdminOps, Json
+from sessions.errors import ChatKVError
+from sessions.manager import SessionManager
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+class _ErrorsAsJson(APIRoute):
+    """Answers domain, auth and validation errors of these routes as `{"error": "..."}` (a router
+    cannot register exception handlers, and the app's handlers would answer `{"detail": ...}`)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ChatKVError as exc:
+                return JSONResponse({"error": str(exc)}, status_code=exc.http_status)
+            except HTTPException as exc:
+                return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+            except RequestValidationError as exc:
+                return JSONResponse({"error": _validation_message(exc)}, status_code=422)
+
+        return route
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("query", "body", "path"))
+        parts.append(f"{where}: {error.get('msg', 'invalid')}" if where else str(error.get("msg", "invalid")))
+    return "; ".join(parts) or "invalid request"
+
+
+class TenantCreate(BaseModel):
+    name: str
+
+
+class MasterKeyRotation(BaseModel):
+    new_key: str | None = None
+    """Base64 of 32 bytes; generated when omitted (required when the key comes from CHATKV_MASTER_KEY)."""
+
+
+def admin_router(manager: SessionManager, token: str) -> APIRouter:
+    """The `/admin/` routes over `manager`, guarded by `token`."""
+    if not token:
+        raise ValueError("the admin token must not be empty")
+    expected = token.encode()
+
+    def require_admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), expected):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                "missing or wrong admin token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    ops = AdminOps.of(manager)
+    router = APIRouter(route_class=_ErrorsAsJson, dependencies=[Depends(require_admin)])
+
+    @router.get("/tenants")
+    def list_tenants() -> list[Json]:
+        return ops.list_tenants()
+
+    @router.post("/tenants", status_code=status.HTTP_201_CREATED)
+    def create_tenant(body: TenantCreate) -> Json:
+        return ops.create_tenant(body.name)
+
+    @router.get("/tenants/{tenant}")
+    def show_tenant(tenant: str) -> Json:
+        return ops.show_tenant(tenant)
+
+    @router.delete("/tenants/{tenant}")
+    def delete_tenant(tenant: str) -> Json:
+        return ops.delete_tenant(tenant)
+
+    @router.post("/tenants/{tenant}/api-key")
+    def rotate_api_key(tenant: str) -> Json:
+        return ops.rotate_api_key(tenant)
+
+    @router.get("/sessions")
+    def list_sessions(
+        tenant: str | None = None, tier: str | None = None, idle_for_s: float | None = None
+    ) -> list[Json]:
+        return ops.list_sessions(tenant=tenant, tier=tier, idle_for_s=idle_for_s)
+
+    @router.get("/sessions/{session_id}")
+    def inspect_session(session_id: str, tenant: str) -> Json:
+        return ops.inspect_session(tenant, session_id)
+
+    @router.delete("/sessions/{session_id}")
+    def delete_session(session_id: str, tenant: str) -> Json:
+        return ops.delete_session(tenant, session_id)
+
+    @router.get("/sessions/{session_id}/export")
+    def export_session(session_id: str, tenant: str) -> Json:
+        return ops.export_session(tenant, session_id)
+
+    @router.post("/sessions/{session_id}/evict")
+    def evict_session(session_id: str, tenant: str, to: str) -> Json:
+        return ops.evict_session(tenant, session_id, to)
+
+    @router.post("/sessions/{session_id}/restore")
+    def restore_session(session_id: str, tenant: str) -> Json:
+        return ops.restore_session(tenant, session_id)
+
+    @router.get("/stats")
+    def stats() -> Json:
+        return ops.stats()
+
+    @router.post("/keys/rotate-master")
+    def rotate_master_key(body: MasterKeyRotation) -> Json:
+        return ops.rotate_master_key(body.new_key)
+
+    @router.post("/gc")
+    def gc(dry_run: bool = False) -> Json:
+        return ops.gc(dry_run=dry_run)
+
+    return router

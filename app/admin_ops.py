@@ -1,0 +1,381 @@
+"""Operator actions on one chatkv home, as JSON-ready dicts: what the admin CLI and the `/admin/`
+routes share.
+
+The server builds `AdminOps.of(manager)` over its live `SessionManager`, and its routes return these
+dicts as they are; the CLI without `--server` builds `AdminOps.open_home(settings)` and prints the
+same dicts. So a command gives the same answer whether it runs here or through a server.
+
+Reads that need only the database (tenants, session listings, transcripts, a `gc` dry run) do not
+load the model; anything touching caches, keys or the model loads a `SessionManager` on first use.
+Without a live manager no cache is on the device or in host memory, so a session's tier is `disk`
+when a cache blob row names it (the tier a manager adopts at start-up) and `None` otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from cache.ids import SessionId, TenantId
+from cache.tier_manager import LeaseHeld
+from cache.tiers import CacheKey, Tier
+from sessions.errors import InvalidInput, SessionBusy, SessionNotFound, TenantNotFound
+from sessions.manager import SessionDetail, SessionManager
+from sessions.settings import Settings
+from storage.database import make_engine, upgrade
+from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
+
+TIERS = tuple(t.value for t in Tier)
+EVICT_TARGETS = ("host", "disk", "drop")
+SUMMARY_CHARS = 120
+_TENANT_ID_PREFIX = "tn_"
+
+Json = dict[str, Any]
+Placement = Callable[[str, str], str | None]
+
+
+class AdminOps:
+    """The admin operations over one home. Use `of` (a live manager) or `open_home` (a CLI process).
+
+    Every method takes tenants by name or id and raises the `sessions.errors` types for bad input
+    (another tenant's session id is `SessionNotFound`, as a missing one).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        metadata: MetadataStore,
+        load_manager: Callable[[], SessionManager],
+        *,
+        manager: SessionManager | None = None,
+        owns_manager: bool,
+    ) -> None:
+        self.settings = settings
+        self.metadata = metadata
+        self._load_manager = load_manager
+        self._manager = manager
+        self._owns_manager = owns_manager
+
+    @classmethod
+    def of(cls, manager: SessionManager) -> AdminOps:
+        """Operations over a live manager (the server's); `close` leaves it open."""
+        return cls(manager.settings, manager.metadata, lambda: manager, manager=manager, owns_manager=False)
+
+    @classmethod
+    def open_home(cls, settings: Settings, load_manager: Callable[[], SessionManager] | None = None) -> AdminOps:
+        """Operations on `settings.home` from this process: migrates the database to head (as a
+        manager does at start-up) and loads a `SessionManager` only when an operation needs one."""
+        url = settings.resolved_database_url
+        engine = make_engine(url)
+        upgrade(url, engine)
+        return cls(
+            settings, MetadataStore(engine), load_manager or (lambda: SessionManager(settings)), owns_manager=True
+        )
+
+    @property
+    def manager(self) -> SessionManager:
+        if self._manager is None:
+            self._manager = self._load_manager()
+        return self._manager
+
+    def close(self) -> None:
+        """Close a manager this object loaded (its caches persist to disk) and the database."""
+        if self._owns_manager:
+            if self._manager is not None:
+                self._manager.close()
+            self.metadata.engine.dispose()
+
+    def __enter__(self) -> AdminOps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- tenants -------------------------------------------------------------------------------
+
+    def list_tenants(self) -> list[Json]:
+        counts: dict[str, int] = {}
+        for record in self.metadata.list_sessions():
+            counts[record.tenant_id] = counts.get(record.tenant_id, 0) + 1
+        return [_tenant_json(t, counts.get(t.id, 0)) for t in self.metadata.list_tenants()]
+
+    def show_tenant(self, tenant: str) -> Json:
+        """The tenant, its session count, tokens and sessions per tier."""
+        record = self._tenant(tenant)
+        sessions = self.list_sessions(tenant=record.id)
+        per_tier = {tier: sum(1 for s in sessions if s["tier"] == tier) for tier in TIERS}
+        return {
+            **_tenant_json(record, len(sessions)),
+            "tokens": sum(s["token_count"] for s in sessions),
+            "sessions_by_tier": per_tier,
+        }
+
+    def create_tenant(self, name: str) -> Json:
+        """Create a tenant and issue its API key (returned here once; only a salted hash is kept)."""
+        manager = self.manager
+        tenant = manager.create_tenant(name)
+        api_key = manager.issue_api_key(tenant)
+        return {**_tenant_json(self._tenant(tenant.id), 0), "api_key": api_key}
+
+    def rotate_api_key(self, tenant: str) -> Json:
+        """Replace the tenant's API key; the old one stops working at once."""
+        record = self._tenant(tenant)
+        return {"id": record.id, "name": record.name, "api_key": self.manager.issue_api_key(record.id)}
+
+    def delete_tenant(self, tenant: str) -> Json:
+        """Crypto-shred (the wrapped data key goes first), then the tenant's caches, files and rows."""
+        record = self._tenant(tenant)
+        self.manager.delete_tenant(record.id)
+        return {"id": record.id, "name": record.name, "deleted": True}
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def list_sessions(
+        self, *, tenant: str | None = None, tier: str | None = None, idle_for_s: float | None = None
+    ) -> list[Json]:
+        """Sessions, most recently active first, optionally of one tenant, in one tier, or idle for
+        at least `idle_for_s` seconds."""
+        if tier is not None and tier not in TIERS:
+            raise InvalidInput(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        if idle_for_s is not None and not idle_for_s >= 0:
+            raise InvalidInput(f"idle_for_s must be >= 0, got {idle_for_s}")
+        tenant_id = None if tenant is None else self._tenant(tenant).id
+        idle_before = None if idle_for_s is None else datetime.now(UTC) - timedelta(seconds=idle_for_s)
+        names = {t.id: t.name for t in self.metadata.list_tenants()}
+        placement = self._placement()
+        rows = [
+            _session_json(record, names.get(record.tenant_id), placement(record.tenant_id, record.id))
+            for record in self.metadata.list_sessions(tenant_id=tenant_id, idle_before=idle_before)
+        ]
+        return [row for row in rows if tier is None or row["tier"] == tier]
+
+    def inspect_session(self, tenant: str, session_id: str) -> Json:
+        """Session, transcript summary, layer table (a stored cache is decrypted to read it),
+        model fingerprints and the last turn's TTFT."""
+        manager = self.manager
+        record = self._tenant(tenant)
+        detail = manager.inspect_session(record.id, session_id)
+        messages = self._messages(record.id, session_id)
+        info = detail.info
+        return {
+            "session": {
+                "id": info.id,
+                "tenant_id": info.tenant_id,
+                "tenant": record.name,
+                "title": info.title,
+                "tier": info.tier,
+                "token_count": info.token_count,
+                "message_count": info.message_count,
+                "created_at": info.created_at.isoformat(),
+                "last_active_at": info.last_active_at.isoformat(),
+            },
+            "system_prompt": info.system_prompt,
+            "transcript": _summary(messages),
+            "model_fingerprint": info.model_fingerprint,
+            "model_fingerprint_matches": info.model_fingerprint == manager.engine.fingerprint,
+            "last_ttft_s": detail.last_ttft_s,
+            "cache_bytes": detail.cache_bytes,
+            "base_tokens": detail.base_tokens,
+            "layers": _layer_rows(detail),
+        }
+
+    def evict_session(self, tenant: str, session_id: str, to: str) -> Json:
+        """Move the session's cache down to `host` or `disk`, or `drop` it (the next turn rebuilds it)."""
+        if to not in EVICT_TARGETS:
+            raise InvalidInput(f"evict target must be one of {', '.join(EVICT_TARGETS)}, got {to!r}")
+        tier = self.manager.evict_session(tenant, session_id, to)
+        return {"id": session_id, "tier": tier}
+
+    def restore_session(self, tenant: str, session_id: str) -> Json:
+        """Bring the session's cache up to the device now (pre-warm), as its next turn would.
+
+        Budgets are enforced afterwards, so an over-full device may move it (or another session)
+        down again; the returned tier is where it ended up.
+        """
+        # Belongs in `SessionManager` next to `evict_session`; it only uses public tier-manager calls.
+        manager = self.manager
+        tenant_id = TenantId(self._tenant(tenant).id)
+        info = manager.session_info(tenant_id, session_id)
+        try:
+            with manager.tiers.lease(CacheKey(tenant_id, SessionId(info.id))) as lease:
+                restored = lease.restore()
+        except LeaseHeld:
+            raise SessionBusy(f"session {session_id} has a turn in flight") from None
+        return {
+            "id": info.id,
+            "tier": manager.session_info(tenant_id, session_id).tier,
+            "restored_from": restored.source.value if restored.source else None,
+            "restore_s": restored.seconds,
+            "rejected": restored.rejected,
+        }
+
+    def delete_session(self, tenant: str, session_id: str) -> Json:
+        self.manager.delete_session(self._tenant(tenant).id, session_id)
+        return {"id": session_id, "deleted": True}
+
+    def export_session(self, tenant: str, session_id: str) -> Json:
+        """The session and its whole transcript, with each message's exact token ids."""
+        record = self._tenant(tenant)
+        session = self.metadata.get_session(tenant_id=record.id, session_id=session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        messages = self._messages(record.id, session_id)
+        return {
+            "session": _session_json(session, record.name, self._placement()(record.id, session.id)),
+            "system_prompt": session.system_prompt,
+            "messages": [_message_json(m) for m in messages],
+        }
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def stats(self) -> Json:
+        """`SessionManager.stats()` plus tenant and session totals."""
+        return {
+            "tenants": len(self.metadata.list_tenants()),
+            "sessions": len(self.metadata.list_sessions()),
+            **self.manager.stats(),
+        }
+
+    def rotate_master_key(self, new_key: str | None = None) -> Json:
+        """Re-wrap every tenant's data key under a new master key (generated unless given)."""
+        manager = self.manager
+        key_id = manager.rotate_master_key(new_key)
+        return {"master_key_id": key_id, "from_env": manager.keys.master.from_env}
+
+    def gc(self, *, dry_run: bool = False) -> Json:
+        """Delete sessions idle longer than `Settings.session_retention_s` (none when unset).
+
+        Disk orphans (temp files, files without a row, rows without a file, blobs of another model)
+        are removed whenever a manager starts, so a server has none to collect while it runs.
+        """
+        retention_s = self.settings.session_retention_s
+        report: Json = {"retention_s": retention_s, "dry_run": dry_run, "expired_sessions": []}
+        if retention_s is None:
+            return report
+        cutoff = datetime.now(UTC) - timedelta(seconds=retention_s)
+        expired = self.metadata.list_sessions(idle_before=cutoff)
+        if not dry_run:
+            expired = [record for record in expired if self._delete_if_idle(record, cutoff)]
+        names = {t.id: t.name for t in self.metadata.list_tenants()}
+        report["expired_sessions"] = [_session_json(r, names.get(r.tenant_id), None) for r in expired]
+        return report
+
+    def _delete_if_idle(self, record: SessionRecord, cutoff: datetime) -> bool:
+        """Delete a session unless a turn made it active since it was listed (or it is gone)."""
+        manager = self.manager
+        with contextlib.suppress(SessionNotFound):
+            if manager.session_info(record.tenant_id, record.id).last_active_at < cutoff:
+                manager.delete_session(record.tenant_id, record.id)
+                return True
+        return False
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _tenant(self, tenant: str) -> TenantRecord:
+        if not isinstance(tenant, str) or not tenant:
+            raise InvalidInput("a tenant name or id is required")
+        record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_TENANT_ID_PREFIX) else None
+        record = record or self.metadata.get_tenant(name=tenant)
+        if record is None:
+            raise TenantNotFound(tenant)
+        return record
+
+    def _messages(self, tenant_id: str, session_id: str) -> list[MessageRecord]:
+        messages = self.metadata.messages(tenant_id=tenant_id, session_id=session_id)
+        if messages is None:
+            raise SessionNotFound(session_id)
+        return messages
+
+    def _placement(self) -> Placement:
+        """Where each session's cache is: the live manager's answer, else what the database says."""
+        if self._manager is not None:
+            tiers = self._manager.tiers
+
+            def live(tenant_id: str, session_id: str) -> str | None:
+                tier = tiers.placement(CacheKey(TenantId(tenant_id), session_id))
+                return tier.value if tier else None
+
+            return live
+        on_disk = {(b.tenant_id, b.session_id) for b in self.metadata.list_blobs() if b.session_id}
+        return lambda tenant_id, session_id: Tier.DISK.value if (tenant_id, session_id) in on_disk else None
+
+
+def _tenant_json(record: TenantRecord, sessions: int) -> Json:
+    return {
+        "id": record.id,
+        "name": record.name,
+        "created_at": record.created_at.isoformat(),
+        "sessions": sessions,
+        "has_api_key": record.api_key_hash is not None,
+        "master_key_id": record.master_key_id,
+    }
+
+
+def _session_json(record: SessionRecord, tenant_name: str | None, tier: str | None) -> Json:
+    return {
+        "id": record.id,
+        "tenant_id": record.tenant_id,
+        "tenant": tenant_name,
+        "title": record.title,
+        "tier": tier,
+        "token_count": record.token_count,
+        "message_count": record.message_count,
+        "last_ttft_s": record.last_ttft_s,
+        "model_fingerprint": record.model_fingerprint,
+        "created_at": record.created_at.isoformat(),
+        "last_active_at": record.last_active_at.isoformat(),
+    }
+
+
+def _message_json(record: MessageRecord) -> Json:
+    return {
+        "index": record.index,
+        "role": record.role,
+        "text": record.text,
+        "token_ids": list(record.token_ids),
+        "created_at": record.created_at.isoformat(),
+    }
+
+
+def _short(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= SUMMARY_CHARS else flat[: SUMMARY_CHARS - 1] + "…"
+
+
+def _summary(messages: list[MessageRecord]) -> Json:
+    users = [m for m in messages if m.role == "user"]
+    return {
+        "messages": len(messages),
+        "turns": len(users),
+        "tokens": sum(len(m.token_ids) for m in messages),
+        "first_user_message": _short(users[0].text) if users else None,
+        "last_user_message": _short(users[-1].text) if users else None,
+        "last_reply": _short(messages[-1].text) if messages and messages[-1].role == "assistant" else None,
+    }
+
+
+def _layer_rows(detail: SessionDetail) -> list[Json]:
+    """The layer table. The system-prompt prefix (`turn_index` null) lives in the tenant's shared
+    prefix pool, so it has no tier or bytes of its own; each other layer's `bytes` is its share, by
+    tokens, of the session cache's bytes in its tier (exact for an unquantised device cache)."""
+    own_tokens = sum(span.token_count for span in detail.layers if span.turn_index is not None)
+    rows = []
+    for span in detail.layers:
+        shared = span.turn_index is None
+        share = detail.cache_bytes * span.token_count // own_tokens if own_tokens else 0
+        rows.append(
+            {
+                "kind": span.kind.value,
+                "turn_index": span.turn_index,
+                "tokens": span.token_count,
+                "positions": [span.position_start, span.position_end],
+                "original_start": span.original_start,
+                "precision": span.precision,
+                "shared": shared,
+                "tier": None if shared else detail.info.tier,
+                "bytes": None if shared else share,
+            }
+        )
+    return rows

@@ -1,0 +1,396 @@
+"""The `chatkv` CLI through Typer's runner, working directly on a home: a tiny model loaded from its
+directory by `CHATKV_MODEL`, real SQLite files, real encryption, and a real process holding the lock."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+from typer.testing import CliRunner, Result
+
+from app.cli import app
+from cache.serialization import FORMAT_VERSION
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from storage.database import head_revision, make_engine
+from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, open_sealed, parse_master_key
+from storage.metadata_store import MetadataStore
+from storage.schema import SessionRow
+from tests.conftest import MASTER_KEY, MODEL_CACHE, make_settings
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def cli_env(home: Path, tiny_model_dir: Path) -> dict[str, str | None]:
+    """The CLI's environment: the tiny model, the test master key, nothing inherited from `CHATKV_*`."""
+    env: dict[str, str | None] = {name: None for name in os.environ if name.startswith("CHATKV_")}
+    env.update(
+        CHATKV_HOME=str(home),
+        CHATKV_MODEL=str(tiny_model_dir),
+        CHATKV_MODEL_CACHE_DIR=str(MODEL_CACHE),
+        CHATKV_MASTER_KEY=MASTER_KEY,
+    )
+    return env
+
+
+class Cli:
+    def __init__(self, env: dict[str, str | None]) -> None:
+        self.env = env
+
+    def __call__(self, *args: str, input: str | None = None, **env: str | None) -> Result:
+        return CliRunner().invoke(app, list(args), input=input, env={**self.env, **env})
+
+    def ok(self, *args: str, input: str | None = None) -> Result:
+        result = self(*args, input=input)
+        assert result.exit_code == 0, (result.exit_code, result.stdout, result.stderr)
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.ok(*args, "--json").stdout)
+
+
+@pytest.fixture
+def cli(cli_env: dict[str, str | None]) -> Cli:
+    return Cli(cli_env)
+
+
+def _populate(home: Path, engine: Engine, *tenants: str, turns: int = 2) -> dict[str, str]:
+    """One session with `turns` turns per tenant, made by a manager that then closes (the caches are
+    persisted to disk, as after a server's shutdown). Returns tenant name -> session id."""
+    sessions = {}
+    with SessionManager(make_settings(home), engine=engine) as manager:
+        for name in tenants:
+            tenant = manager.create_tenant(name)
+            sid = manager.open_session(tenant, system_prompt="You are terse.")
+            for turn in range(turns):
+                manager.chat(tenant, sid, f"Message {turn} from {name}", max_new_tokens=6)
+            sessions[name] = sid
+    return sessions
+
+
+def assert_one_line_error(result: Result, code: int = 2) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stdout + result.stderr
+    return lines[0]
+
+
+# -- tenants -----------------------------------------------------------------------------------
+
+
+def test_tenants_create_list_show_and_rotate_api_key(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    created = cli.json("tenants", "create", "acme")
+    assert created["name"] == "acme" and created["id"].startswith("tn_")
+    key = created["api_key"]
+    plain = cli.ok("tenants", "create", "globex").stdout
+    assert "api key" in plain and "ckv_tn_" in plain
+
+    listed = cli.json("tenants", "list")
+    assert [(t["name"], t["sessions"], t["has_api_key"]) for t in listed] == [("acme", 0, True), ("globex", 0, True)]
+    shown = cli.json("tenants", "show", created["id"])  # by id as well as by name
+    assert shown["name"] == "acme" and shown["sessions_by_tier"] == {"device": 0, "host": 0, "disk": 0}
+
+    rotated = cli.json("tenants", "rotate-api-key", "acme")
+    assert rotated["api_key"] != key
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        assert manager.tenant_for_api_key(rotated["api_key"]).name == "acme"
+        with pytest.raises(Exception, match="tenant not found"):
+            manager.tenant_for_api_key(key)
+
+
+def test_tenants_delete_asks_unless_yes(cli: Cli) -> None:
+    cli.ok("tenants", "create", "acme")
+    declined = cli("tenants", "delete", "acme", input="n\n")
+    assert declined.exit_code == 1 and "Delete tenant acme" in declined.stdout
+    assert [t["name"] for t in cli.json("tenants", "list")] == ["acme"]
+    cli.ok("tenants", "delete", "acme", input="y\n")
+    cli.ok("tenants", "create", "globex")
+    assert "deleted tenant globex" in cli.ok("tenants", "delete", "globex", "--yes").stdout
+    assert cli.json("tenants", "list") == []
+
+
+def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sessions = _populate(home, tiny_engine, "acme", "globex")
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        acme, globex = manager.get_tenant("acme").id, manager.get_tenant("globex").id
+        acme_key, globex_key = manager.keys.data_key(acme), manager.keys.data_key(globex)
+        wrapped = manager.metadata.get_tenant(tenant_id=acme)
+        assert wrapped is not None and wrapped.wrapped_data_key is not None
+        fingerprint = manager.engine.fingerprint
+    blob_path = home / "blobs" / acme / f"{sessions['acme']}.ckv"
+    surviving = home.parent / "surviving.ckv"  # what a backup or an undeleted disk sector would keep
+    shutil.copy(blob_path, surviving)
+    blob = surviving.read_bytes()
+    aad = blob_aad(acme, sessions["acme"], fingerprint, FORMAT_VERSION)
+    assert open_sealed(acme_key, blob, aad)  # readable while the tenant's data key exists
+
+    cli.ok("tenants", "delete", "acme", "--yes")
+
+    assert not (home / "blobs" / acme).exists()
+    database_bytes = b"".join(path.read_bytes() for path in home.glob("chatkv.db*"))  # WAL included
+    assert wrapped.wrapped_data_key not in database_bytes
+    metadata = MetadataStore(make_engine(f"sqlite:///{home / 'chatkv.db'}"))
+    assert metadata.get_tenant(tenant_id=acme) is None
+    assert {b.tenant_id for b in metadata.list_blobs()} == {globex}
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        with pytest.raises(NoDataKey):
+            manager.keys.data_key(acme)  # the wrapped key is gone from the database
+        assert manager.keys.data_key(globex) == globex_key  # the other tenant is untouched
+    for key in (parse_master_key(MASTER_KEY), globex_key):  # every key the system still has
+        with pytest.raises(AuthenticationFailed):
+            open_sealed(key, blob, aad)
+    metadata.engine.dispose()
+
+
+# -- sessions ----------------------------------------------------------------------------------
+
+
+def test_sessions_list_filters_and_json(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sessions = _populate(home, tiny_engine, "acme", "globex")
+    listed = cli.json("sessions", "list")
+    assert {s["id"]: (s["tenant"], s["tier"], s["message_count"]) for s in listed} == {
+        sessions["acme"]: ("acme", "disk", 4),
+        sessions["globex"]: ("globex", "disk", 4),
+    }
+    assert [s["id"] for s in cli.json("sessions", "list", "--tenant", "acme")] == [sessions["acme"]]
+    assert cli.json("sessions", "list", "--tier", "device") == []
+    assert len(cli.json("sessions", "list", "--tier", "disk")) == 2
+    assert cli.json("sessions", "list", "--idle-for", "1h") == []
+    assert len(cli.json("sessions", "list", "--idle-for", "0")) == 2
+    table = cli.ok("sessions", "list").stdout
+    assert sessions["acme"] in table and sessions["globex"] in table  # ids are never truncated
+
+
+def test_sessions_inspect_show_and_export(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sid = _populate(home, tiny_engine, "acme")["acme"]
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        history = manager.history("acme", sid)
+        token_count = manager.session_info("acme", sid).token_count
+
+    detail = cli.json("sessions", "inspect", sid, "--tenant", "acme")
+    assert detail["session"]["tier"] == "disk"
+    assert detail["transcript"]["turns"] == 2 and detail["transcript"]["messages"] == 4
+    assert detail["model_fingerprint"] == tiny_engine.fingerprint and detail["model_fingerprint_matches"]
+    assert detail["last_ttft_s"] > 0
+    layers = detail["layers"]
+    assert [(row["kind"], row["turn_index"]) for row in layers] == [("base", None), ("turn", 0), ("turn", 1)]
+    assert layers[0]["tokens"] == detail["base_tokens"] > 0
+    assert sum(row["tokens"] for row in layers) <= token_count
+    assert layers[0]["shared"] and layers[0]["tier"] is None
+    assert all(row["tier"] == "disk" and row["precision"] == "exact" for row in layers[1:])
+    assert sum(row["bytes"] for row in layers[1:]) <= detail["cache_bytes"]
+    for before, after in itertools.pairwise(layers):  # contiguous positions
+        assert before["positions"][1] == after["positions"][0]
+    assert cli.json("sessions", "show", sid, "--tenant", "acme") == detail  # issue 2's name for it
+    plain = cli.ok("sessions", "inspect", sid, "--tenant", "acme").stdout
+    assert "shared pool" in plain and "fingerprint" in plain
+
+    exported = json.loads(cli.ok("sessions", "export", sid, "--tenant", "acme").stdout)
+    assert exported["system_prompt"] == "You are terse."
+    assert [(m["role"], m["text"], tuple(m["token_ids"])) for m in exported["messages"]] == [
+        (m.role, m.text, m.token_ids) for m in history
+    ]
+
+
+def test_evict_drop_and_delete(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sid = _populate(home, tiny_engine, "acme")["acme"]
+    refused = cli("sessions", "evict", sid, "--tenant", "acme", "--to", "host")
+    assert "cannot evict from disk up to host" in assert_one_line_error(refused)
+    assert cli.ok("sessions", "evict", sid, "--tenant", "acme", "--to", "drop").stdout == f"{sid}: no cache stored\n"
+    assert [s["tier"] for s in cli.json("sessions", "list")] == [None]
+    assert not list((home / "blobs").rglob(f"{sid}.ckv"))
+    cli.ok("sessions", "delete", sid, "--tenant", "acme")
+    assert cli.json("sessions", "list") == []
+    assert_one_line_error(cli("sessions", "export", sid, "--tenant", "acme"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("sessions", "inspect", "s_missing", "--tenant", "acme"), "error: session not found: s_missing"),
+        (("sessions", "export", "s_missing", "--tenant", "acme"), "error: session not found: s_missing"),
+        (("sessions", "evict", "s_missing", "--tenant", "acme", "--to", "disk"), "error: session not found"),
+        (("sessions", "delete", "s_missing", "--tenant", "acme"), "error: session not found: s_missing"),
+        (("sessions", "inspect", "s_x", "--tenant", "nobody"), "error: tenant not found: nobody"),
+        (("tenants", "show", "nobody"), "error: tenant not found: nobody"),
+        (("tenants", "delete", "nobody", "--yes"), "error: tenant not found: nobody"),
+        (("tenants", "create", "bad name!"), "error: invalid tenant name"),
+        (("tenants", "create", "acme"), "error: tenant exists: acme"),
+        (("sessions", "evict", "s_x", "--tenant", "acme", "--to", "nowhere"), "error: Invalid value for '--to'"),
+        (("sessions", "list", "--tier", "cloud"), "error: Invalid value for '--tier'"),
+        (("sessions", "list", "--idle-for", "3 weeks"), "error: Invalid value for '--idle-for': not a duration"),
+        (("sessions", "inspect", "s_x"), "error: Missing option '--tenant'"),
+        (("sessions", "list", "--bogus"), "error: No such option: --bogus"),
+        (("frobnicate",), "error: No such command 'frobnicate'"),
+        (("serve", "--port", "0"), "error: Invalid value for '--port'"),
+        (("keys", "rotate-master"), "error: the master key comes from CHATKV_MASTER_KEY"),
+        (("keys", "rotate-master", "--new-key", "c2hvcnQ="), "error: the master key must be 32 bytes"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(cli: Cli, args: tuple[str, ...], message: str) -> None:
+    cli.ok("tenants", "create", "acme")
+    assert assert_one_line_error(cli(*args)).startswith(message)
+
+
+def test_another_tenants_session_is_not_found(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sessions = _populate(home, tiny_engine, "acme", "globex", turns=1)
+    theirs, missing = sessions["globex"], "s_" + "0" * 24
+    for command in (("inspect",), ("export",), ("evict", "--to", "drop"), ("delete",)):
+        for sid in (theirs, missing):
+            result = cli("sessions", command[0], sid, "--tenant", "acme", *command[1:])
+            assert assert_one_line_error(result) == f"error: session not found: {sid}"
+    assert [s["message_count"] for s in cli.json("sessions", "list", "--tenant", "globex")] == [2]
+
+
+def test_bad_settings_exit_2(cli: Cli) -> None:
+    result = cli("tenants", "list", CHATKV_HOST_BUDGET_BYTES="lots")
+    assert "CHATKV_HOST_BUDGET_BYTES" in assert_one_line_error(result)
+
+
+def test_missing_model_exits_1(cli: Cli, tmp_path: Path) -> None:
+    cli.ok("tenants", "list")  # needs no model
+    assert_one_line_error(cli("tenants", "create", "acme", CHATKV_MODEL=str(tmp_path / "no-model")), code=1)
+
+
+# -- operations --------------------------------------------------------------------------------
+
+
+def test_stats_and_master_key_rotation(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sid = _populate(home, tiny_engine, "acme", turns=1)["acme"]
+    stats = cli.json("stats")
+    assert stats["tenants"] == 1 and stats["sessions"] == 1
+    assert stats["tiers"]["disk"]["sessions"] == 1 and stats["tiers"]["device"]["sessions"] == 0
+    assert stats["model_fingerprint"] == tiny_engine.fingerprint
+    assert "cache hit rate" in cli.ok("stats").stdout
+
+    new_key = "bmV3LW1hc3Rlci1rZXktZm9yLXRoZS10ZXN0cy0zMiE="
+    rotated = cli.ok("keys", "rotate-master", "--new-key", new_key).stdout
+    assert "set CHATKV_MASTER_KEY to the new key" in rotated
+    detail = json.loads(cli("sessions", "inspect", sid, "--tenant", "acme", "--json", CHATKV_MASTER_KEY=new_key).stdout)
+    assert detail["session"]["tier"] == "disk" and len(detail["layers"]) == 2  # the blob still opens
+
+
+def test_gc_deletes_sessions_past_retention(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    sessions = _populate(home, tiny_engine, "acme", "globex", turns=1)
+    old = sessions["acme"]
+    engine = make_engine(f"sqlite:///{home / 'chatkv.db'}")
+    with engine.begin() as db:
+        db.execute(
+            update(SessionRow).where(SessionRow.id == old).values(last_active_at=datetime.now(UTC) - timedelta(days=40))
+        )
+    engine.dispose()
+    assert "no retention set" in cli.ok("gc").stdout
+
+    retention = {"CHATKV_SESSION_RETENTION_S": "30d"}
+    dry = json.loads(cli("gc", "--dry-run", "--json", **retention).stdout)
+    assert dry["dry_run"] and [s["id"] for s in dry["expired_sessions"]] == [old]
+    assert len(cli.json("sessions", "list")) == 2
+    report = cli("gc", **retention)
+    assert report.exit_code == 0 and "removed 1 sessions idle longer than 30d" in report.stdout
+    assert [s["id"] for s in cli.json("sessions", "list")] == [sessions["globex"]]
+    assert not list((home / "blobs").rglob(f"{old}.ckv"))
+
+
+def test_db_upgrade_and_current(cli: Cli) -> None:
+    head = head_revision()
+    assert cli.ok("db", "current").stdout == f"empty (head is {head}: run `chatkv db upgrade`)\n"
+    assert cli.ok("db", "upgrade").stdout == f"database at revision {head} (head)\n"
+    assert cli.ok("db", "current").stdout == f"{head} (head)\n"
+    bad = cli("db", "current", CHATKV_DATABASE_URL="not a url")
+    assert "CHATKV_DATABASE_URL" in assert_one_line_error(bad)
+
+
+def test_home_option_overrides_the_environment(cli: Cli, tmp_path: Path) -> None:
+    other = tmp_path / "other-home"
+    cli.ok("--home", str(other), "tenants", "create", "acme")
+    assert [t["name"] for t in cli.json("--home", str(other), "tenants", "list")] == ["acme"]
+    assert cli.json("tenants", "list") == []
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+
+def test_chat_repl_streams_and_reports_reuse(cli: Cli) -> None:
+    cli.ok("tenants", "create", "acme")
+    result = cli.ok(
+        "chat", "--tenant", "acme", "--system", "Be brief.", "--max-new-tokens", "5", input="Hello\n\nAgain\n/quit\n"
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("session s_") and lines[0].endswith("(new)")
+    stats = [line for line in lines if line.startswith("ttft ")]
+    assert len(stats) == 2
+    assert "reused 0 | restored from new" in stats[0]
+    assert "restored from device" in stats[1] and "reused 0 |" not in stats[1]
+    sid = lines[0].split()[1]
+    [session] = cli.json("sessions", "list")
+    assert session["id"] == sid and session["message_count"] == 4
+
+    resumed = cli.ok("chat", "--tenant", "acme", "--session", sid, "--max-new-tokens", "3", input="More\n")
+    assert resumed.stdout.startswith(f"session {sid}: 2 turns, cache disk\n")
+    assert "restored from disk" in resumed.stdout
+
+
+def test_chat_bad_input(cli: Cli) -> None:
+    assert_one_line_error(cli("chat", "--tenant", "nobody", input="hi\n"))
+    cli.ok("tenants", "create", "acme")
+    assert_one_line_error(cli("chat", "--tenant", "acme", "--session", "s_missing", input="hi\n"))
+    assert_one_line_error(cli("chat", "--tenant", "acme", "--max-new-tokens", "0"))
+
+
+# -- a live server holds the home ----------------------------------------------------------------
+
+
+@pytest.fixture
+def locked_home(home: Path) -> Iterator[int]:
+    """Another process holding the home's server lock, as `chatkv serve` does. Yields its pid."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from app.home_lock import HomeLock\n"
+        "with HomeLock(Path(sys.argv[1]), 'http://127.0.0.1:7999'):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "locked\n"
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("tenants", "list"),
+        ("tenants", "create", "acme"),
+        ("sessions", "list"),
+        ("sessions", "evict", "s_x", "--tenant", "acme", "--to", "drop"),
+        ("gc",),
+        ("db", "upgrade"),
+        ("chat", "--tenant", "acme"),
+        ("serve",),
+    ],
+)
+def test_refuses_while_a_server_holds_the_home(cli: Cli, locked_home: int, args: tuple[str, ...]) -> None:
+    line = assert_one_line_error(cli(*args))
+    assert f"pid {locked_home}" in line and "http://127.0.0.1:7999" in line
