@@ -14,14 +14,14 @@ when a cache blob row names it (the tier a manager adopts at start-up) and `None
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from cache.ids import SessionId, TenantId
-from cache.tier_manager import LeaseHeld
+from cache.ids import TenantId
 from cache.tiers import CacheKey, Tier
-from sessions.errors import InvalidInput, SessionBusy, SessionNotFound, TenantNotFound
+from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
 from sessions.manager import SessionDetail, SessionManager
 from sessions.settings import Settings
 from storage.database import make_engine, upgrade
@@ -194,22 +194,8 @@ class AdminOps:
         Budgets are enforced afterwards, so an over-full device may move it (or another session)
         down again; the returned tier is where it ended up.
         """
-        # Belongs in `SessionManager` next to `evict_session`; it only uses public tier-manager calls.
-        manager = self.manager
-        tenant_id = TenantId(self._tenant(tenant).id)
-        info = manager.session_info(tenant_id, session_id)
-        try:
-            with manager.tiers.lease(CacheKey(tenant_id, SessionId(info.id))) as lease:
-                restored = lease.restore()
-        except LeaseHeld:
-            raise SessionBusy(f"session {session_id} has a turn in flight") from None
-        return {
-            "id": info.id,
-            "tier": manager.session_info(tenant_id, session_id).tier,
-            "restored_from": restored.source.value if restored.source else None,
-            "restore_s": restored.seconds,
-            "rejected": restored.rejected,
-        }
+        result = self.manager.restore_session(self._tenant(tenant).id, session_id)
+        return {"id": session_id, **dataclasses.asdict(result)}
 
     def delete_session(self, tenant: str, session_id: str) -> Json:
         self.manager.delete_session(self._tenant(tenant).id, session_id)

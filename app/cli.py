@@ -27,7 +27,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from app.admin_client import AdminClient, AdminRequestFailed
-from app.home_lock import HomeLockedError, check_unlocked, read_owner
+from storage.home_lock import HomeLockedError, check_unlocked, read_owner
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

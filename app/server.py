@@ -1,7 +1,7 @@
 """The chatkv server: Gradio chat UI at `/`, admin JSON API under `/admin/`, Prometheus `/metrics`.
 
 One process, one `SessionManager`, one FastAPI app served by uvicorn. The server holds the chatkv
-home's lock file while it runs (see `app.home_lock`).
+home's lock file while it runs (see `storage.home_lock`).
 """
 
 from __future__ import annotations
@@ -81,17 +81,17 @@ def serve(manager: SessionManager, *, host: str = "127.0.0.1", port: int = 7860,
     """
     import uvicorn
 
-    from app.home_lock import HomeLock
+    from storage.home_lock import HomeLock
 
     url = f"http://{host}:{port}"
     token = admin_token(manager.settings.home, manager.settings.admin_token)
-    with HomeLock(manager.settings.home, url), _sigterm_exits():
-        app = build_app(manager, local=local, token=token)
-        log.info("chatkv serving %s on %s (admin token in %s)", manager.model_name, url, manager.settings.home)
-        try:
+    try:
+        with HomeLock(manager.settings.home, url), _sigterm_exits():
+            app = build_app(manager, local=local, token=token)
+            log.info("chatkv serving %s on %s (admin token in %s)", manager.model_name, url, manager.settings.home)
             uvicorn.run(app, host=host, port=port, log_level="warning")
-        finally:
-            manager.close()
+    finally:
+        manager.close()
 
 
 @contextlib.contextmanager

@@ -1,8 +1,17 @@
-"""chatkv's public API: `SessionManager`, its `Settings`, the records it returns and its errors."""
+"""chatkv's public API: `SessionManager`, its `Settings`, the records it returns and its errors.
+
+`SessionManager` (and with it torch and transformers) is imported on first use, so a tool that
+only needs settings or error types (the admin CLI talking to a server) starts fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from sessions.errors import (
     ChatKVError,
     ContextTooLong,
+    HomeLocked,
     InvalidInput,
     ModelUnavailable,
     SessionBusy,
@@ -10,17 +19,30 @@ from sessions.errors import (
     TenantExists,
     TenantNotFound,
 )
-from sessions.manager import SessionDetail, SessionManager
-from sessions.records import Message, Reply, SessionInfo, Tenant, TurnStats
+from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant, TurnStats
 from sessions.settings import Settings
+
+if TYPE_CHECKING:
+    from sessions.manager import SessionDetail, SessionManager
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SessionManager", "SessionDetail"):
+        from sessions import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module 'sessions' has no attribute {name!r}")
+
 
 __all__ = [
     "ChatKVError",
     "ContextTooLong",
+    "HomeLocked",
     "InvalidInput",
     "Message",
     "ModelUnavailable",
     "Reply",
+    "RestoreResult",
     "SessionBusy",
     "SessionDetail",
     "SessionInfo",

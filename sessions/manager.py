@@ -34,6 +34,7 @@ from cache.window_policy import WindowPolicy
 from sessions.chat_template import ChatTemplate, PastTurn
 from sessions.engine import Engine
 from sessions.errors import (
+    HomeLocked,
     InvalidInput,
     SessionBusy,
     SessionNotFound,
@@ -43,12 +44,13 @@ from sessions.errors import (
 from sessions.metrics import Metrics
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer
-from sessions.records import Message, Reply, Role, SessionInfo, Tenant
+from sessions.records import Message, Reply, RestoreResult, Role, SessionInfo, Tenant
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
 from sessions.turns import Transcript, TurnOutcome, TurnRunner
 from storage.blob_stores import DiskBlobStore, HostBlobStore
-from storage.database import make_engine, upgrade
+from storage.database import make_engine, secure_erase_freed_pages, upgrade
+from storage.home_lock import HomeLockedError, check_unlocked
 from storage.keyring import TenantKeys, load_master_key
 from storage.metadata_store import AlreadyExists, MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
@@ -89,6 +91,11 @@ class SessionManager:
 
     def __init__(self, settings: Settings | None = None, *, engine: Engine | None = None) -> None:
         self.settings = settings = settings or Settings.from_env()
+        try:
+            # Start-up migrates and reconciles the stores: never on a home a live server owns.
+            check_unlocked(settings.home)
+        except HomeLockedError as exc:
+            raise HomeLocked(str(exc)) from None
         settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -107,6 +114,13 @@ class SessionManager:
         self.context_budget_tokens = budget
         in_use = {t.master_key_id for t in self.metadata.list_tenants() if t.master_key_id}
         self.keys = TenantKeys(self.metadata, load_master_key(settings.home, settings.master_key, in_use))
+        if in_use and self.keys.master.id not in in_use:
+            log.error(
+                "the master key (id %s) did not wrap any tenant's data key (ids %s): stored caches cannot "
+                "be opened and are rebuilt from transcripts; set CHATKV_MASTER_KEY to the right key",
+                self.keys.master.id,
+                ", ".join(sorted(in_use)),
+            )
         self.metrics = Metrics(tenant_labels=settings.metrics_tenant_labels)
         self.disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
             settings.blob_dir, self.metadata, engine.fingerprint, lambda t, n: CacheKey(TenantId(t), n)
@@ -224,6 +238,7 @@ class SessionManager:
             for key in [k for k in self._transcripts if k[0] == tenant_id]:
                 del self._transcripts[key]
         self.metadata.delete_tenant(tenant_id=tenant_id)
+        secure_erase_freed_pages(self._db)
         self.disk_store.remove_tenant_folder(tenant_id)
 
     def issue_api_key(self, tenant: TenantRef) -> str:
@@ -369,6 +384,29 @@ class SessionManager:
             return self.tiers.stored_cache(key)
         except BlobRejected:
             return None
+
+    def restore_session(self, tenant: TenantRef, session_id: str) -> RestoreResult:
+        """Bring an idle session's cache up to the device now, as its next turn would (pre-warm).
+        Budgets are enforced afterwards and may move it down again; `tier` says where it ended.
+
+        Raises:
+            SessionBusy: if a turn is in flight on the session.
+        """
+        tenant_id = self._tenant_id(tenant)
+        record = self._session_record(tenant_id, session_id)
+        key = CacheKey(tenant_id, record.id)
+        try:
+            with self.tiers.lease(key) as lease:
+                restored = lease.restore()
+        except LeaseHeld:
+            raise SessionBusy(f"session {session_id} has a turn in flight") from None
+        tier = self.tiers.placement(key)
+        return RestoreResult(
+            tier=tier.value if tier else None,
+            restored_from=restored.source.value if restored.source else None,
+            restore_s=restored.seconds,
+            rejected=restored.rejected,
+        )
 
     def evict_session(self, tenant: TenantRef, session_id: str, to: str) -> str | None:
         """Move an idle session's cache down to `host` or `disk`, or `drop` it. Returns the tier.

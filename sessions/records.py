@@ -80,3 +80,16 @@ class Reply:
     """Generated ids, the stop token included when generation stopped on one."""
     stats: TurnStats
     finish_reason: FinishReason = "stop"
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """Outcome of `SessionManager.restore_session` (pre-warming a cache onto the device)."""
+
+    tier: str | None
+    """Where the cache is now (`None`: nothing stored, the next turn rebuilds it)."""
+    restored_from: str | None
+    """The tier it came from, `None` if nothing usable was stored."""
+    restore_s: float
+    rejected: bool
+    """A stored blob failed authentication or decoding and was discarded."""

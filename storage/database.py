@@ -45,7 +45,19 @@ def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    # Deleted rows (a destroyed tenant's wrapped data key) are overwritten, not just unlinked.
+    cursor.execute("PRAGMA secure_delete=ON")
     cursor.close()
+
+
+def secure_erase_freed_pages(engine: Engine) -> None:
+    """After deleting secrets: on SQLite, checkpoint and truncate the WAL so no old page holding
+    them survives in `-wal` (`secure_delete` already zeroes freed pages in the main file). Other
+    backends keep dead tuples until VACUUM; that is their operator's concern."""
+    if engine.dialect.name != "sqlite":
+        return
+    with engine.connect() as connection:
+        connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def alembic_config(url: str) -> Config:

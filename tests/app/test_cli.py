@@ -362,7 +362,7 @@ def locked_home(home: Path) -> Iterator[int]:
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from app.home_lock import HomeLock\n"
+        "from storage.home_lock import HomeLock\n"
         "with HomeLock(Path(sys.argv[1]), 'http://127.0.0.1:7999'):\n"
         "    print('locked', flush=True)\n"
         "    time.sleep(120)\n"

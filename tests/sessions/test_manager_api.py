@@ -144,3 +144,47 @@ def test_deleted_session_is_gone_everywhere(tiny_manager: SessionManager) -> Non
     assert tiny_manager.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
     with pytest.raises(SessionNotFound):
         tiny_manager.delete_session(tenant, sid)
+
+
+def test_deleted_tenants_wrapped_key_is_gone_from_every_database_file_at_once(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    wrapped = tiny_manager.metadata.get_tenant(tenant_id=tenant.id).wrapped_data_key  # type: ignore[union-attr]
+    assert wrapped
+    tiny_manager.delete_tenant(tenant)
+    files = b"".join(path.read_bytes() for path in tiny_manager.settings.home.glob("chatkv.db*"))
+    assert wrapped not in files  # the manager is still open: WAL checkpointed, freed pages zeroed
+
+
+def test_a_manager_refuses_a_home_that_a_live_server_holds(tmp_path, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from sessions.errors import HomeLocked
+    from storage.home_lock import HomeLock
+    from tests.conftest import make_settings
+
+    home = tmp_path / "home"
+    with HomeLock(home, "http://127.0.0.1:1"):
+        # The lock file names this process; another process's lock is what counts.
+        pass
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from storage.home_lock import HomeLock;"
+            f"lock = HomeLock(__import__('pathlib').Path({str(home)!r})).__enter__(); print('held', flush=True);"
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(HomeLocked, match="holds this home"):
+            SessionManager(make_settings(home), engine=tiny_engine)
+        assert not (home / "chatkv.db").exists()  # refused before touching anything
+    finally:
+        holder.kill()
+        holder.wait()
+    with SessionManager(make_settings(home), engine=tiny_engine):  # a dead holder's lock is stale
+        pass
