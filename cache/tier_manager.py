@@ -14,6 +14,9 @@ Write-back (`write_back=True`): after a turn the new cache is sealed and written
 background thread, so moving a persisted session from host to disk is instant and a crash loses
 no cache. Shared base layers live in the `PrefixPool`; an offloaded session stores a reference to
 its base, and the base itself is written once as its own blob.
+
+A cache that cannot be sealed (`SealFailed`: its tenant's data key is unavailable) is dropped
+instead of stored, like a cache dropped for space: the transcript rebuilds it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from cache.ids import PrefixKey, TenantId
 from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, SessionCache
-from cache.tiers import BlobRejected, BlobStore, CacheKey, CacheSealer, NoEvents, Tier, TierEvents
+from cache.tiers import BlobRejected, BlobStore, CacheKey, CacheSealer, NoEvents, SealFailed, Tier, TierEvents
 
 log = logging.getLogger(__name__)
 
@@ -374,9 +377,13 @@ class TierManager:
             while self.usage().bytes[Tier.HOST] > self.budgets.host_bytes:
                 if not self._move_lru(Tier.HOST):
                     break
-            while self.usage().bytes[Tier.DISK] > self.budgets.disk_bytes:
-                if not self._drop_lru_disk_blob():
-                    break
+            self._enforce_disk_budget()
+
+    def _enforce_disk_budget(self) -> None:
+        """Under the lock: drop the oldest disk blobs until the disk tier is within budget."""
+        while self._stores[Tier.DISK].used_bytes() > self.budgets.disk_bytes:
+            if not self._drop_lru_disk_blob():
+                break
 
     def _idle(self, tier: Tier, tenant: TenantId | None = None) -> list[_Entry]:
         return sorted(
@@ -418,10 +425,10 @@ class TierManager:
         if source is Tier.DEVICE:
             assert entry.cache is not None
             cache = entry.cache
-            if drop:
+            blob = None if drop else self._seal_or_none(entry.key, cache)
+            if blob is None:
                 self._release_entry(entry)
             else:
-                blob = self._sealer.seal_session(entry.key, cache)
                 if cache.base_key is not None:
                     self._persist_base(entry.key.tenant_id, cache.base_key)
                     self.pool.release(cache.base_key)
@@ -439,6 +446,13 @@ class TierManager:
         if source is not None:
             self._events.moved(source, entry.tier, entry.nbytes)
 
+    def _seal_or_none(self, key: CacheKey, cache: SessionCache) -> bytes | None:
+        try:
+            return self._sealer.seal_session(key, cache)
+        except SealFailed as exc:
+            log.warning("dropping the cache of session %s instead of storing it: %s", key.name, exc)
+            return None
+
     def _persist_base(self, tenant_id: TenantId, key: PrefixKey) -> None:
         blob_key = CacheKey.for_base(tenant_id, key)
         self._base_used[blob_key] = next(self._clock)
@@ -446,8 +460,12 @@ class TierManager:
         if disk.contains(blob_key):
             return
         base = self.pool.get(key)
-        if base is not None:
+        if base is None:
+            return
+        try:
             disk.put(blob_key, self._sealer.seal_base(blob_key, base))
+        except SealFailed as exc:
+            log.warning("base layer %s not stored (it is rebuilt when needed): %s", key, exc)
 
     def _drop_lru_disk_blob(self) -> bool:
         """Drop the oldest disk blob: an idle disk-tier session, a stale write-back copy, or a
@@ -493,7 +511,9 @@ class TierManager:
             if entry.persisted_version == entry.version:
                 return
             cache, version = entry.cache, entry.version
-        blob = self._sealer.seal_session(key, cache)
+        blob = self._seal_or_none(key, cache)
+        if blob is None:
+            return  # eviction drops it too: nothing can be stored for this tenant now
         with self._lock:
             if self._entries.get(key) is not entry or entry.version != version:
                 return  # deleted or superseded while sealing; the newer version queues its own write
@@ -501,6 +521,8 @@ class TierManager:
             if cache.base_key is not None:
                 self._persist_base(key.tenant_id, cache.base_key)
             entry.persisted_version = version
+            # Write-back adds disk bytes between turns; keep the disk tier within its budget too.
+            self._enforce_disk_budget()
             if self._pending.get(key) is not None and self._pending[key].done():
                 self._pending.pop(key, None)
 
@@ -523,13 +545,14 @@ class TierManager:
                     self._move_down(entry, drop=False)
                 elif entry.tier is Tier.DEVICE and entry.persisted_version != entry.version:
                     assert entry.cache is not None
-                    self._stores[Tier.DISK].put(entry.key, self._sealer.seal_session(entry.key, entry.cache))
+                    blob = self._seal_or_none(entry.key, entry.cache)
+                    if blob is None:
+                        continue
+                    self._stores[Tier.DISK].put(entry.key, blob)
                     if entry.cache.base_key is not None:
                         self._persist_base(entry.key.tenant_id, entry.cache.base_key)
                     entry.persisted_version = entry.version
-            while self.usage().bytes[Tier.DISK] > self.budgets.disk_bytes:
-                if not self._drop_lru_disk_blob():
-                    break
+            self._enforce_disk_budget()
 
     def close(self) -> None:
         with self._lock:

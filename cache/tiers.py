@@ -54,16 +54,26 @@ class BlobRejected(Exception):
     session or tenant, another model fingerprint, wrong key). It must not be used; rebuild."""
 
 
+class SealFailed(Exception):
+    """A cache cannot be sealed for its key: the tenant's data key is unavailable (the tenant was
+    deleted, or the master key does not unwrap its key). The cache is dropped instead of stored;
+    the transcript rebuilds it."""
+
+
 class CacheSealer(Protocol):
     """Turns caches into sealed bytes bound to their key, and back."""
 
-    def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes: ...
+    def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes:
+        """Raises `SealFailed` if the cache cannot be sealed for this key."""
+        ...
 
     def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
         """Raises `BlobRejected` if the blob does not authenticate or decode for this key."""
         ...
 
-    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes: ...
+    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes:
+        """Raises `SealFailed` if the base layer cannot be sealed for this key."""
+        ...
 
     def open_base(self, key: CacheKey, blob: bytes) -> BaseLayer:
         """Raises `BlobRejected` if the blob does not authenticate or decode for this key."""

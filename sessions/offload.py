@@ -4,7 +4,8 @@
 key ring and the stores; this module joins them, so neither of those packages imports the other.
 A blob is `seal(tenant data key, safetensors(tensors, header), aad(tenant, name, fingerprint,
 format version))`; any failure to authenticate or decode becomes `BlobRejected` and the turn
-rebuilds the cache from the transcript.
+rebuilds the cache from the transcript. A tenant whose data key is unavailable (deleted, or a
+master key that does not unwrap it) cannot seal: `SealFailed`, and the cache is dropped instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cache.serialization import (
     session_cache_to_tensors,
 )
 from cache.session_cache import BaseLayer, SessionCache
-from cache.tiers import BlobRejected, CacheKey
+from cache.tiers import BlobRejected, CacheKey, SealFailed
 from storage import codec
 from storage.keyring import KeyRingError, TenantKeys, blob_aad, open_sealed, seal
 
@@ -53,8 +54,11 @@ class EncryptedCacheSealer:
     def _aad(self, key: CacheKey) -> bytes:
         return blob_aad(key.tenant_id, key.name, self._fingerprint, FORMAT_VERSION)
 
-    def _seal(self, key: CacheKey, payload: bytes) -> bytes:
-        return seal(self._keys.data_key(key.tenant_id), payload, self._aad(key))
+    def _data_key(self, key: CacheKey) -> bytes:
+        try:
+            return self._keys.data_key(key.tenant_id)
+        except KeyRingError as exc:
+            raise SealFailed(f"no usable data key for tenant {key.tenant_id}: {exc}") from exc
 
     def _open(self, key: CacheKey, blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         try:
@@ -67,9 +71,10 @@ class EncryptedCacheSealer:
         return tensors, header
 
     def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes:
+        data_key = self._data_key(key)
         tensors, header = session_cache_to_tensors(cache, self._precision, self._residual)
         header["model_fingerprint"] = self._fingerprint
-        return self._seal(key, codec.encode(tensors, header))
+        return seal(data_key, codec.encode(tensors, header), self._aad(key))
 
     def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
         tensors, header = self._open(key, blob)
@@ -79,9 +84,10 @@ class EncryptedCacheSealer:
             raise BlobRejected(str(exc)) from exc
 
     def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes:
+        data_key = self._data_key(key)
         tensors, header = base_layer_to_tensors(base)
         header["model_fingerprint"] = self._fingerprint
-        return self._seal(key, codec.encode(tensors, header))
+        return seal(data_key, codec.encode(tensors, header), self._aad(key))
 
     def open_base(self, key: CacheKey, blob: bytes) -> BaseLayer:
         tensors, header = self._open(key, blob)

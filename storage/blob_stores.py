@@ -168,7 +168,9 @@ class DiskBlobStore(Generic[K]):
         """Make folder and table agree; return the keys of valid blobs, oldest first.
 
         Removes temp files left by a crash, files without a row (orphans), rows whose file is
-        missing or has another size, and blobs of another model fingerprint (invalidated).
+        missing or has another size, and blobs of another model fingerprint (invalidated). A file
+        whose size differs from its row (truncated, replaced) or a row pointing outside the folder
+        is logged as a warning: like a blob that fails authentication, it is never used.
         """
         with self._lock:
             rows = {(r.tenant_id, r.name): r for r in self._metadata.list_blobs()}
@@ -176,15 +178,10 @@ class DiskBlobStore(Generic[K]):
             kept: list[K] = []
             for (tenant_id, name), row in rows.items():
                 key = self._key_factory(tenant_id, name)
-                path = self.root / row.path
-                valid = (
-                    row.model_fingerprint == self._fingerprint
-                    and path.is_file()
-                    and path.stat().st_size == row.nbytes
-                    and path.resolve().is_relative_to(self.root.resolve())
-                )
-                if not valid:
-                    log.info("invalidating disk blob %s/%s", tenant_id, name)
+                problem = self._row_problem(row.path, row.nbytes, row.model_fingerprint)
+                if problem is not None:
+                    level = logging.INFO if problem in ("another model", "file missing") else logging.WARNING
+                    log.log(level, "invalidating disk blob %s/%s: %s", tenant_id, name, problem)
                     with contextlib.suppress(FileNotFoundError, ValueError):
                         self.path_for(key).unlink()
                     self._metadata.delete_blob(tenant_id=tenant_id, name=name)
@@ -197,6 +194,20 @@ class DiskBlobStore(Generic[K]):
                     log.info("removing orphan file %s", path)
                     path.unlink(missing_ok=True)
             return kept
+
+    def _row_problem(self, relative: str, nbytes: int, fingerprint: str) -> str | None:
+        """Why a `cache_blobs` row cannot be used, or `None`."""
+        path = self.root / relative
+        if fingerprint != self._fingerprint:
+            return "another model"
+        if not path.resolve().is_relative_to(self.root.resolve()):
+            return f"its path {relative!r} leaves the blob folder"
+        if not path.is_file():
+            return "file missing"
+        size = path.stat().st_size
+        if size != nbytes:
+            return f"the file holds {size} bytes, its row says {nbytes} (truncated or replaced)"
+        return None
 
     def remove_tenant_folder(self, tenant_id: str) -> None:
         """Remove a deleted tenant's folder and anything left in it."""
