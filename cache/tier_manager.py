@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -70,6 +70,8 @@ class _Entry:
     leased: bool = False
     version: int = 0
     persisted_version: int | None = None
+    base_key: PrefixKey | None = None
+    """The shared base the cache references, kept while it is offloaded (its blob stays needed)."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,15 @@ class Restored:
     """Outcome of `Lease.restore`: the cache on the device (base attached) or `None`.
 
     `source` is the tier it came from, `None` if nothing was stored; `rejected` is set when a
-    stored blob failed authentication or decoding and was discarded.
+    stored blob failed authentication or decoding and was discarded; `base_prefill_tokens` counts
+    base-layer tokens recomputed by prefill because neither the pool nor a blob had the base.
     """
 
     cache: SessionCache | None
     source: Tier | None
     seconds: float
     rejected: bool = False
+    base_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,9 +191,13 @@ class TierManager:
             assert cache is not None
             return Restored(cache, Tier.DEVICE, time.perf_counter() - started)
         store = self._stores[tier]
+        base_prefill = 0
         try:
             cache = self._sealer.open_session(entry.key, store.get(entry.key))
-            cache = cache.with_base(self._attach_base(entry.key.tenant_id, cache))
+            if cache.base_key is not None:
+                base, how = self.base_layer(entry.key.tenant_id, cache.base_key, cache.base_token_ids)
+                base_prefill = base.token_count if how == "built" else 0
+                cache = cache.with_base(base)
         except (BlobRejected, KeyError) as exc:
             log.warning("discarding the %s cache of session %s: %s", tier, entry.key.name, exc)
             self._events.rejected(tier)
@@ -203,12 +211,7 @@ class TierManager:
             self._place_on_device(entry, cache)
         seconds = time.perf_counter() - started
         self._events.restored(tier, seconds)
-        return Restored(cache, tier, seconds)
-
-    def _attach_base(self, tenant_id: TenantId, cache: SessionCache) -> BaseLayer | None:
-        if cache.base_key is None:
-            return None
-        return self.base_layer(tenant_id, cache.base_key, cache.base_token_ids)[0]
+        return Restored(cache, tier, seconds, base_prefill_tokens=base_prefill)
 
     def base_layer(self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> tuple[BaseLayer, str]:
         """The base layer `key` and where it came from: `pool`, `blob` (a stored copy, decrypted)
@@ -241,6 +244,7 @@ class TierManager:
         if entry.tier is Tier.DEVICE and entry.cache is not None and entry.cache.base_key:
             self.pool.release(entry.cache.base_key)
         entry.tier, entry.cache, entry.nbytes = Tier.DEVICE, cache, cache.own_nbytes
+        entry.base_key = cache.base_key
 
     def _release_entry(self, entry: _Entry) -> None:
         """Under the lock: forget an entry's device copy (base reference) and blobs."""
@@ -306,7 +310,7 @@ class TierManager:
             if target is not None and order.index(target) < order.index(entry.tier):
                 raise ValueError(f"cannot evict from {entry.tier} up to {target}; restore happens on the next turn")
             while entry.tier is not None and entry.tier != target:
-                self._move_down(entry, drop=target is None)
+                self._move_down(entry, drop=target is None, skip_host=target is not Tier.HOST)
             return entry.tier
 
     def forget(self, key: CacheKey) -> None:
@@ -419,12 +423,23 @@ class TierManager:
         self._move_down(idle[0], drop=False)
         return True
 
-    def _move_down(self, entry: _Entry, drop: bool) -> None:
-        """Under the lock: move one tier down (device -> host -> disk -> dropped)."""
+    def _move_down(self, entry: _Entry, drop: bool, skip_host: bool = True) -> None:
+        """Under the lock: move one tier down (device -> host -> disk -> dropped). A device cache
+        whose current version the write-back already stored goes straight to disk unless
+        `skip_host` is off (an operator asked for the host tier)."""
         source = entry.tier
         if source is Tier.DEVICE:
             assert entry.cache is not None
             cache = entry.cache
+            disk = self._stores[Tier.DISK]
+            persisted = entry.persisted_version == entry.version and disk.contains(entry.key)
+            if not drop and skip_host and persisted:
+                # Write-back already stored this version: eviction is instant, straight to disk.
+                if cache.base_key is not None:
+                    self.pool.release(cache.base_key)
+                entry.tier, entry.cache, entry.nbytes = Tier.DISK, None, disk.nbytes(entry.key)
+                self._events.moved(source, entry.tier, entry.nbytes)
+                return
             blob = None if drop else self._seal_or_none(entry.key, cache)
             if blob is None:
                 self._release_entry(entry)
@@ -471,10 +486,17 @@ class TierManager:
         """Drop the oldest disk blob: an idle disk-tier session, a stale write-back copy, or a
         base layer no live session references."""
         disk = self._stores[Tier.DISK]
+        # A base blob is needed as long as an offloaded session references it: it counts as used
+        # as recently as the most recent of those sessions.
+        base_users: dict[CacheKey, int] = {}
+        for user in self._entries.values():
+            if user.base_key is not None and user.tier is not None:
+                blob_key = CacheKey.for_base(user.key.tenant_id, user.base_key)
+                base_users[blob_key] = max(base_users.get(blob_key, 0), user.last_used)
         candidates: list[tuple[int, CacheKey]] = []
         for key in disk.keys():
             if key.is_base:
-                candidates.append((self._base_used.get(key, 0), key))
+                candidates.append((max(self._base_used.get(key, 0), base_users.get(key, 0)), key))
                 continue
             entry = self._entries.get(key)
             if entry is None:
@@ -501,7 +523,17 @@ class TierManager:
         with self._lock:
             if self._closed:
                 return
-            self._pending[key] = self._writer.submit(self._write_back_job, key)
+            future = self._writer.submit(self._write_back_job, key)
+            self._pending[key] = future
+        future.add_done_callback(lambda done: self._write_back_done(key, done))
+
+    def _write_back_done(self, key: CacheKey, future: Future[None]) -> None:
+        with self._lock:
+            if self._pending.get(key) is future:
+                del self._pending[key]
+        if not future.cancelled() and future.exception() is not None:
+            # The cache stays on the device and is written at eviction or shutdown instead.
+            log.error("write-back of session %s failed", key.name, exc_info=future.exception())
 
     def _write_back_job(self, key: CacheKey) -> None:
         with self._lock:
@@ -517,22 +549,24 @@ class TierManager:
         with self._lock:
             if self._entries.get(key) is not entry or entry.version != version:
                 return  # deleted or superseded while sealing; the newer version queues its own write
-            self._stores[Tier.DISK].put(key, blob)
+        # The file write (fsync included) runs without the lock so other sessions' turns go on.
+        self._stores[Tier.DISK].put(key, blob)
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                self._stores[Tier.DISK].delete(key)  # the session was deleted during the write
+                return
+            if entry.version == version:
+                entry.persisted_version = version
             if cache.base_key is not None:
                 self._persist_base(key.tenant_id, cache.base_key)
-            entry.persisted_version = version
             # Write-back adds disk bytes between turns; keep the disk tier within its budget too.
             self._enforce_disk_budget()
-            if self._pending.get(key) is not None and self._pending[key].done():
-                self._pending.pop(key, None)
 
     def flush(self) -> None:
-        """Wait for queued write-backs."""
+        """Wait for queued write-backs (a failed one was logged; its cache is written at shutdown)."""
         with self._lock:
             futures = list(self._pending.values())
-        for future in futures:
-            if not future.cancelled():
-                future.result()
+        wait(futures)
 
     def persist_all(self) -> None:
         """Write every cache not yet on disk there (at shutdown, so a restart resumes warm)."""

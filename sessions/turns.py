@@ -128,6 +128,8 @@ class TurnRunner:
                 source = "rebuilt"
         if cache is not None and plan is not None:
             prepared = self._prepare_reuse(cache, transcript, plan, params)
+            # A base recomputed during the restore was prefilled too.
+            prepared = replace(prepared, base_computed=restored.base_prefill_tokens)
         else:
             prepared = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
         yield from self._generate(prepared, transcript, params, started, source, restored.seconds)

@@ -506,6 +506,59 @@ def test_a_dropped_base_blob_is_rebuilt(make_rig) -> None:
     assert rig.built_bases == [base.key]
 
 
+def test_a_base_blob_outlives_the_offloaded_sessions_that_reference_it(make_rig) -> None:
+    """Disk LRU counts a base blob as used as recently as its most recent offloaded session, so
+    an older session blob goes first, never the base a newer session still needs."""
+    base = make_base(A)
+    rig = make_rig()
+    keys = [session_key(A, n) for n in range(3)]
+    add_rows(rig, *keys)
+    for n, key in enumerate(keys):  # s_0 and s_2 reference the base; s_1 does not
+        turn(rig.tiers, key, make_cache(n, base=base if n != 1 else None))
+        rig.tiers.evict(key, Tier.DISK)
+    base_blob = CacheKey.for_base(A, base.key)
+    # The base blob was written first, with s_0; by plain LRU it would be the oldest blob.
+    rig.tiers.budgets = budgets(disk=rig.disk.nbytes(base_blob) + rig.disk.nbytes(keys[2]) + 10)
+    rig.tiers.enforce_budgets()
+    assert sorted(r.name for r in rig.metadata.list_blobs()) == sorted([base_blob.name, "s_2"])
+    assert placements(rig.tiers, keys) == [None, None, Tier.DISK]
+    rig.tiers.pool.remove(base.key)
+    with rig.tiers.lease(keys[2]) as lease:
+        assert lease.restore().base_prefill_tokens == 0  # its base came back from the blob
+    assert rig.built_bases == []
+
+
+def test_with_write_back_a_persisted_session_leaves_the_device_instantly_for_disk(make_rig) -> None:
+    rig = make_rig(write_back=True)
+    keys = [session_key(A, n) for n in range(2)]
+    add_rows(rig, *keys)
+    turn(rig.tiers, keys[0], make_cache(0))
+    rig.tiers.flush()
+    written = rig.disk.path_for(keys[0]).stat().st_mtime_ns
+    rig.tiers.budgets = budgets(device=SESSION_BYTES + 100)
+    turn(rig.tiers, keys[1], make_cache(1))
+    assert placements(rig.tiers, keys) == [Tier.DISK, Tier.DEVICE]  # no sealing into host
+    assert rig.host.keys() == [] and rig.disk.path_for(keys[0]).stat().st_mtime_ns == written
+    assert rig.events.moves == [(Tier.DEVICE, Tier.DISK)]
+    # An operator who asks for the host tier still gets it.
+    rig.tiers.flush()
+    rig.tiers.budgets = budgets()
+    assert rig.tiers.evict(keys[1], Tier.HOST) is Tier.HOST
+
+
+def test_a_base_recomputed_during_a_restore_is_reported(make_rig) -> None:
+    base = make_base(A)
+    rig = make_rig()
+    key = session_key(A, 0)
+    add_rows(rig, key)
+    turn(rig.tiers, key, make_cache(0, base=base))
+    rig.tiers.evict(key, Tier.DISK)
+    rig.tiers.pool.remove(base.key)
+    rig.disk.delete(CacheKey.for_base(A, base.key))
+    with rig.tiers.lease(key) as lease:
+        assert lease.restore().base_prefill_tokens == base.token_count
+
+
 # -- forgetting ----------------------------------------------------------------------------------------
 
 
