@@ -68,3 +68,9 @@ class HomeLocked(ChatKVError):
     """Another process (a running server) holds the chatkv home; work through its admin API instead."""
 
     http_status = 409
+
+
+class KeyMismatch(ChatKVError):
+    """The master key in use did not wrap the stored tenant keys (rotation refused)."""
+
+    http_status = 409

@@ -12,12 +12,13 @@ import base64
 import secrets
 from typing import TYPE_CHECKING
 
-from sessions.errors import InvalidInput
+from sessions.errors import InvalidInput, KeyMismatch
 from storage.atomic_files import fsync_dir, write_atomic
 from storage.keyring import (
     KEY_BYTES,
     MASTER_KEY_FILE,
     NEXT_KEY_SUFFIX,
+    AuthenticationFailed,
     BadMasterKey,
     MasterKey,
     key_id,
@@ -46,7 +47,13 @@ def rotate_master_key(manager: SessionManager, new_master_key: str | None) -> st
         except BadMasterKey as exc:
             raise InvalidInput(str(exc)) from None
     new = MasterKey(raw, key_id(raw), current.from_env)
-    rewrapped = manager.keys.rewrap_all(new)
+    try:
+        rewrapped = manager.keys.rewrap_all(new)
+    except AuthenticationFailed:
+        raise KeyMismatch(
+            "a tenant's data key does not unwrap with the current master key; start chatkv with the key "
+            "that wrapped it (CHATKV_MASTER_KEY) before rotating"
+        ) from None
     home = manager.settings.home
     key_file = home / MASTER_KEY_FILE
     staged = home / (MASTER_KEY_FILE + NEXT_KEY_SUFFIX)

@@ -48,6 +48,7 @@ from sessions.records import Message, Reply, RestoreResult, Role, SessionInfo, T
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
 from sessions.turns import Transcript, TurnOutcome, TurnRunner
+from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, secure_erase_freed_pages, upgrade
 from storage.home_lock import HomeLockedError, check_unlocked
@@ -148,6 +149,9 @@ class SessionManager:
             events=self.metrics,
         )
         self.tiers.adopt_disk_blobs(self.disk_store.reconcile())
+        if self.disk_store.damaged_at_start:
+            self.metrics.integrity_failures.labels(Tier.DISK.value).inc(self.disk_store.damaged_at_start)
+        remove_temp_files(settings.home)
         self.metrics.watch_tiers(self.tiers.usage)
         self.sealer = sealer
         self.template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
@@ -160,6 +164,7 @@ class SessionManager:
         )
         self._transcripts: dict[tuple[TenantId, SessionId], Transcript] = {}
         self._lock = threading.Lock()
+        self._key_lock = threading.Lock()
         self._closed = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -195,14 +200,15 @@ class SessionManager:
         if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name) or name.startswith(_ID_PREFIX_TENANT):
             raise InvalidInput(f"invalid tenant name {name!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting 'tn_')")
         tenant_id = TenantId(_ID_PREFIX_TENANT + secrets.token_hex(8))
-        wrapped = self.keys.new_wrapped_key(tenant_id)
-        try:
-            record = self.metadata.create_tenant(
-                tenant_id=tenant_id, name=name, wrapped_data_key=wrapped, master_key_id=self.keys.master.id
-            )
-        except AlreadyExists:
-            self.keys.forget(tenant_id)
-            raise TenantExists(f"tenant exists: {name}") from None
+        with self._key_lock:  # a rotation must not re-wrap keys while a new one is wrapped
+            wrapped = self.keys.new_wrapped_key(tenant_id)
+            try:
+                record = self.metadata.create_tenant(
+                    tenant_id=tenant_id, name=name, wrapped_data_key=wrapped, master_key_id=self.keys.master.id
+                )
+            except AlreadyExists:
+                self.keys.forget(tenant_id)
+                raise TenantExists(f"tenant exists: {name}") from None
         return _tenant(record)
 
     def list_tenants(self) -> list[Tenant]:
@@ -274,7 +280,8 @@ class SessionManager:
         """
         from sessions.key_rotation import rotate_master_key
 
-        return rotate_master_key(self, new_master_key)
+        with self._key_lock:
+            return rotate_master_key(self, new_master_key)
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -72,8 +72,9 @@ class Settings:
     """Configuration of one `SessionManager`.
 
     Budgets are bytes of KV cache (keys and values of every model layer, plus quantisation scales).
-    `None` budgets are derived from the machine in `__post_init__`: device 25% of RAM on CPU (40% of
-    GPU memory on CUDA), host 25% of RAM, disk 25% of the free space under `home`, capped at 64 GiB.
+    `None` budgets are derived from the machine in `__post_init__`: device and host 25% of RAM each,
+    disk 25% of the free space under `home` capped at 64 GiB. On a GPU, set `device_budget_bytes`
+    to what the card can spare beside the model's weights and activations.
 
     Raises:
         ValueError: for impossible values (non-positive budgets, a tenant quota above the device

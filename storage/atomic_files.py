@@ -45,3 +45,13 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600, exclusive: bool = F
         # After a rename the temp name is gone; after a failure (or a hard link) it is removed.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
+
+
+def remove_temp_files(folder: Path) -> list[Path]:
+    """Remove temp files a crash left directly in `folder` (e.g. a half-written key file)."""
+    removed = []
+    for path in folder.glob(TEMP_PREFIX + "*"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -107,6 +107,8 @@ class DiskBlobStore(Generic[K]):
         self._fingerprint = model_fingerprint
         self._key_factory = key_factory
         self._sizes: dict[K, int] = {}
+        self.damaged_at_start = 0
+        """Blobs `reconcile` found damaged (truncated, replaced, outside the folder): integrity failures."""
         self._lock = threading.RLock()
         root.mkdir(parents=True, exist_ok=True)
 
@@ -175,13 +177,21 @@ class DiskBlobStore(Generic[K]):
         with self._lock:
             rows = {(r.tenant_id, r.name): r for r in self._metadata.list_blobs()}
             self._sizes.clear()
+            self.damaged_at_start = 0
             kept: list[K] = []
             for (tenant_id, name), row in rows.items():
                 key = self._key_factory(tenant_id, name)
                 problem = self._row_problem(row.path, row.nbytes, row.model_fingerprint)
                 if problem is not None:
-                    level = logging.INFO if problem in ("another model", "file missing") else logging.WARNING
-                    log.log(level, "invalidating disk blob %s/%s: %s", tenant_id, name, problem)
+                    benign = problem in ("another model", "file missing")
+                    self.damaged_at_start += 0 if benign else 1
+                    log.log(
+                        logging.INFO if benign else logging.WARNING,
+                        "invalidating disk blob %s/%s: %s",
+                        tenant_id,
+                        name,
+                        problem,
+                    )
                     with contextlib.suppress(FileNotFoundError, ValueError):
                         self.path_for(key).unlink()
                     self._metadata.delete_blob(tenant_id=tenant_id, name=name)

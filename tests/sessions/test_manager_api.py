@@ -188,3 +188,20 @@ def test_a_manager_refuses_a_home_that_a_live_server_holds(tmp_path, tiny_engine
         holder.wait()
     with SessionManager(make_settings(home), engine=tiny_engine):  # a dead holder's lock is stale
         pass
+
+
+def test_rotation_under_a_master_key_that_wrapped_nothing_is_refused_with_a_typed_error(tmp_path, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    import base64
+
+    from sessions.errors import KeyMismatch
+    from tests.conftest import make_settings
+
+    home = tmp_path / "home"
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        manager.create_tenant("acme")
+    other = base64.b64encode(b"\x07" * 32).decode()
+    with SessionManager(make_settings(home, master_key=other), engine=tiny_engine) as manager:
+        before = {t.id: t.wrapped_data_key for t in manager.metadata.list_tenants()}
+        with pytest.raises(KeyMismatch):
+            manager.rotate_master_key(base64.b64encode(b"\x09" * 32).decode())
+        assert {t.id: t.wrapped_data_key for t in manager.metadata.list_tenants()} == before

@@ -396,6 +396,7 @@ def test_a_truncated_blob_found_at_start_up_is_rebuilt_with_a_warning(
         assert reply.stats.restored_from == "rebuilt"
         assert reply.token_ids == expected
         assert any(r.levelno == logging.WARNING and sid in r.getMessage() for r in caplog.records)
+        assert integrity_failures(manager) == 1
 
 
 # -- 8. another model invalidates stored caches ------------------------------------------------------

@@ -39,7 +39,7 @@ def run_turns(home: Path, model_dir: Path, **args: object) -> dict:
         **os.environ,
         "CHATKV_HOME": str(home),
         "CHATKV_MODEL": str(model_dir),
-        "CHATKV_MODEL_CACHE": str(MODEL_CACHE),
+        "CHATKV_MODEL_CACHE_DIR": str(MODEL_CACHE),
         "CHATKV_MASTER_KEY": MASTER_KEY,
         "PYTHONPATH": str(REPO),
     }
