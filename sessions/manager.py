@@ -19,6 +19,7 @@ import logging
 import re
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,7 +29,7 @@ import torch
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
-from cache.tier_manager import LeaseHeld, TierBudgets, TierManager
+from cache.tier_manager import Lease, LeaseHeld, TierBudgets, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
 from cache.window_policy import WindowPolicy
 from sessions.chat_template import ChatTemplate, PastTurn
@@ -64,6 +65,7 @@ _ID_PREFIX_SESSION = "s_"
 _API_KEY_PREFIX = "ckv_"
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
+MAX_CACHED_TRANSCRIPTS = 4096
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,9 @@ class SessionManager:
             window=WindowPolicy(budget),
             share_base=settings.share_base,
         )
-        self._transcripts: dict[tuple[TenantId, SessionId], Transcript] = {}
+        # Transcripts of recently active sessions (a turn renders the whole conversation); bounded
+        # so a service with many sessions does not keep every transcript in memory.
+        self._transcripts: OrderedDict[tuple[TenantId, SessionId], Transcript] = OrderedDict()
         self._lock = threading.Lock()
         self._key_lock = threading.Lock()
         self._closed = False
@@ -493,32 +497,41 @@ class SessionManager:
         record = self._session_record(tenant_id, session_id)
         sid = SessionId(record.id)
         try:
-            lease_context = self.tiers.lease(CacheKey(tenant_id, sid))
-            lease = lease_context.__enter__()
-        except LeaseHeld:
+            with self.tiers.lease(CacheKey(tenant_id, sid)) as lease:
+                transcript = self._transcript(tenant_id, sid, record)
+                outcome = yield from self._run_turn(tenant_id, sid, transcript, message, params, lease)
+                self._store_turn(tenant_id, sid, transcript, message, outcome)
+                lease.commit(outcome.cache)
+        except LeaseHeld:  # only the lease's entry raises it: another turn holds the session
             raise SessionBusy(f"session {sid} has a turn in flight; wait for its reply") from None
-        try:
-            transcript = self._transcript(tenant_id, sid, record)
-            outcome = None
-            for item in self.runner.run(
-                tenant_id=tenant_id,
-                session_id=sid,
-                transcript=transcript,
-                user_text=message,
-                params=params,
-                lease=lease,
-            ):
-                if isinstance(item, TurnOutcome):
-                    outcome = item
-                else:
-                    yield item
-            if outcome is None:
-                raise RuntimeError("bug: the turn ended without an outcome")
-            self._store_turn(tenant_id, sid, transcript, message, outcome)
-            lease.commit(outcome.cache)
-        finally:
-            lease_context.__exit__(None, None, None)
         yield outcome.reply
+
+    def _run_turn(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        message: str,
+        params: SamplingParams,
+        lease: Lease,
+    ) -> Generator[str, None, TurnOutcome]:
+        """Yield the reply's text pieces; return the outcome (nothing stored yet)."""
+        outcome = None
+        for item in self.runner.run(
+            tenant_id=tenant_id,
+            session_id=session_id,
+            transcript=transcript,
+            user_text=message,
+            params=params,
+            lease=lease,
+        ):
+            if isinstance(item, TurnOutcome):
+                outcome = item
+            else:
+                yield item
+        if outcome is None:
+            raise RuntimeError("bug: the turn ended without an outcome")
+        return outcome
 
     def _store_turn(
         self,
@@ -553,14 +566,18 @@ class SessionManager:
     def _transcript(self, tenant_id: TenantId, session_id: SessionId, record: SessionRecord) -> Transcript:
         with self._lock:
             cached = self._transcripts.get((tenant_id, session_id))
-        if cached is not None:
-            return cached
+            if cached is not None:
+                self._transcripts.move_to_end((tenant_id, session_id))
+                return cached
         messages = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) or []
         transcript = Transcript(
             record.system_prompt, _past_turns(messages), set(record.pinned_turns), record.token_count
         )
         with self._lock:
-            return self._transcripts.setdefault((tenant_id, session_id), transcript)
+            kept = self._transcripts.setdefault((tenant_id, session_id), transcript)
+            while len(self._transcripts) > MAX_CACHED_TRANSCRIPTS:
+                self._transcripts.popitem(last=False)
+            return kept
 
     def _build_base(self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> BaseLayer:
         keys, values = self.engine.compute_prefix(token_ids)
