@@ -48,14 +48,15 @@ class SessionBusy(ChatKVError):
 
 class ContextTooLong(ChatKVError):
     """The new message (plus `max_new_tokens`) cannot fit in the model's context, even after the
-    context window has demoted every unpinned turn. Nothing is stored."""
+    context window has demoted every unpinned turn; or a system prompt leaves no room for a turn.
+    Nothing is stored. `what` names the culprit in the message (`message`, `system prompt`)."""
 
     http_status = 413
 
-    def __init__(self, needed_tokens: int, limit_tokens: int) -> None:
+    def __init__(self, needed_tokens: int, limit_tokens: int, what: str = "message") -> None:
         self.needed_tokens = needed_tokens
         self.limit_tokens = limit_tokens
-        super().__init__(f"message too long: needs {needed_tokens} tokens of context, the limit is {limit_tokens}")
+        super().__init__(f"{what} too long: needs {needed_tokens} tokens of context, the limit is {limit_tokens}")
 
 
 class ModelUnavailable(ChatKVError):

@@ -35,6 +35,7 @@ from cache.window_policy import WindowPolicy
 from sessions.chat_template import ChatTemplate, PastTurn
 from sessions.engine import Engine
 from sessions.errors import (
+    ContextTooLong,
     HomeLocked,
     InvalidInput,
     SessionBusy,
@@ -66,6 +67,8 @@ _API_KEY_PREFIX = "ckv_"
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
 MAX_CACHED_TRANSCRIPTS = 4096
+MIN_TURN_TOKENS = 64
+"""Room a session must leave beside its system prompt: a short message and a short reply."""
 
 
 @dataclass(frozen=True)
@@ -290,12 +293,23 @@ class SessionManager:
     # -- sessions ------------------------------------------------------------------------------
 
     def open_session(self, tenant: TenantRef, system_prompt: str | None = None, title: str | None = None) -> SessionId:
-        """Create a session. Raises `InvalidInput` for a non-string prompt or an overlong title."""
+        """Create a session.
+
+        Raises:
+            InvalidInput: for a non-string prompt or an overlong title.
+            ContextTooLong: if the system prompt leaves less than `MIN_TURN_TOKENS` of the
+                context window for the conversation.
+        """
         tenant_id = self._tenant_id(tenant)
         if system_prompt is not None and (not isinstance(system_prompt, str) or len(system_prompt) > MAX_MESSAGE_CHARS):
             raise InvalidInput("system_prompt must be a string of at most 1,000,000 characters")
         if title is not None and (not isinstance(title, str) or len(title) > MAX_TITLE_CHARS):
             raise InvalidInput(f"title must be a string of at most {MAX_TITLE_CHARS} characters")
+        if system_prompt:
+            # The system prompt is pinned in every turn's window; leave room for a short turn.
+            needed = len(self.template.system_prefix_ids(system_prompt)) + MIN_TURN_TOKENS
+            if needed > self.context_budget_tokens:
+                raise ContextTooLong(needed, self.context_budget_tokens, what="system prompt")
         session_id = SessionId(_ID_PREFIX_SESSION + secrets.token_hex(12))
         pinned = (0,) if self.settings.pin_first_turn else ()
         self.metadata.create_session(

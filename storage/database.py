@@ -6,6 +6,7 @@ SQLAlchemy URL (PostgreSQL) works unchanged.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,12 @@ def make_engine(url: str) -> Engine:
         raise ValueError(f"not a database URL: {url!r}") from exc
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path = Path(parsed.database).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Transcripts are plain text: the file (and the -wal/-shm files SQLite creates with the
+            # same mode) is readable by the owner only, whatever the umask.
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            path.chmod(0o600)
         engine = create_engine(parsed, connect_args={"timeout": 30, "check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

@@ -205,3 +205,18 @@ def test_rotation_under_a_master_key_that_wrapped_nothing_is_refused_with_a_type
         with pytest.raises(KeyMismatch):
             manager.rotate_master_key(base64.b64encode(b"\x09" * 32).decode())
         assert {t.id: t.wrapped_data_key for t in manager.metadata.list_tenants()} == before
+
+
+def test_a_system_prompt_that_leaves_no_room_for_a_turn_is_refused_at_open(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    huge = "You are helpful. " * (tiny_manager.context_budget_tokens // 2)
+    with pytest.raises(ContextTooLong, match="system prompt too long"):
+        tiny_manager.open_session(tenant, system_prompt=huge)
+    assert tiny_manager.list_sessions(tenant) == []
+
+
+def test_the_database_file_is_readable_by_its_owner_only(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    tiny_manager.chat(tenant, tiny_manager.open_session(tenant), "private words", max_new_tokens=2)
+    for path in tiny_manager.settings.home.glob("chatkv.db*"):
+        assert path.stat().st_mode & 0o077 == 0, path
