@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c 'import sessions, app, transformers, gradio, pytest'
 	touch $(STAMP)
 
+# Extra arguments for `chatkv serve`, e.g. make run ARGS="--port 7861".
+ARGS ?=
+
 run: $(STAMP)
-	$(BIN)/chatkv serve --local
+	$(BIN)/chatkv serve --local $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
