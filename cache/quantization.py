@@ -10,8 +10,10 @@
 
 Channel groups are `GROUP` channels when `head_dim` is a multiple of it, else the whole head.
 
-Scales and zero points are float32 whatever the cache dtype. All tensors are `[batch, kv_heads,
-seq, head_dim]`; `seq` may be any length (a last partial group is fine).
+Scales and zero points are stored as float16 when they fit (else float32), rounded before the
+codes are computed so codes and scales agree exactly: at int4 a float32 scale and zero per 32
+codes would cost half a byte per code again. All tensors are `[batch, kv_heads, seq, head_dim]`;
+`seq` may be any length (a last partial group is fine).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ GROUP = 32
 @dataclass(frozen=True)
 class Quantized:
     """Codes plus what is needed to decode them. `codes`: uint8 (int4: two codes a byte, along
-    the last axis); `scale`, `zero`: float32, broadcastable per group."""
+    the last axis); `scale`, `zero`: float16 (float32 if out of range), broadcastable per group."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -49,6 +51,11 @@ def _channel_group(head_dim: int) -> int:
     return GROUP if head_dim % GROUP == 0 else head_dim
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to float16 if every value fits comfortably, else float32 as it is."""
+    return t.to(torch.float16) if bool(t.abs().max() < 6.0e4) else t
+
+
 def _pad_tokens(x: torch.Tensor) -> torch.Tensor:
     """Pad the token axis (-2) to a whole number of `GROUP`s (only for callers that do not keep
     the tail exact; the serializer never needs it)."""
@@ -60,21 +67,22 @@ def quantize_int8(x: torch.Tensor) -> Quantized:
     """Symmetric int8 per token, groups of `GROUP` channels along `head_dim`."""
     group = _channel_group(x.shape[-1])
     grouped = x.to(torch.float32).unflatten(-1, (-1, group))  # [b, h, seq, groups, group]
-    scale = grouped.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-    codes = torch.round(grouped / scale).clamp(-127, 127).to(torch.int8)
+    scale = _compact((grouped.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-6))
+    codes = torch.round(grouped / scale.float()).clamp(-127, 127).to(torch.int8)
     return Quantized(codes.view(torch.uint8), scale, None, tuple(x.shape), "int8")
 
 
 def dequantize_int8(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
-    values = q.codes.view(torch.int8).to(torch.float32) * q.scale
+    values = q.codes.view(torch.int8).to(torch.float32) * q.scale.float()
     return values.flatten(-2)[..., : q.shape[-1]].to(dtype)
 
 
 def _asymmetric_int4(grouped: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     low = grouped.amin(dim=dim, keepdim=True)
     high = grouped.amax(dim=dim, keepdim=True)
-    scale = ((high - low) / 15.0).clamp_min(1e-12)
-    codes = torch.round((grouped - low) / scale).clamp(0, 15).to(torch.uint8)
+    low = _compact(low)
+    scale = _compact(((high - low.float()) / 15.0).clamp_min(1e-6))
+    codes = torch.round((grouped - low.float()) / scale.float()).clamp(0, 15).to(torch.uint8)
     return codes, scale, low
 
 
@@ -106,7 +114,7 @@ def dequantize_int4(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
     if q.zero is None:
         raise ValueError("int4 codes need a zero point")
     codes = _unpack_nibbles(q.codes).to(torch.float32)
-    values = codes * q.scale + q.zero
+    values = codes * q.scale.float() + q.zero.float()
     seq, head_dim = q.shape[-2], q.shape[-1]
     if q.scheme == "int4_channel":
         return values.flatten(-3, -2)[..., :seq, :].to(dtype)

@@ -185,6 +185,10 @@ class SessionManager:
         self.tiers.close()
         self._db.dispose()
 
+    def flush(self) -> None:
+        """Wait until the background write-back has stored every finished turn's cache on disk."""
+        self.tiers.flush()
+
     def __enter__(self) -> SessionManager:
         return self
 

@@ -78,8 +78,9 @@ def open_sealed(key: bytes, blob: bytes, associated_data: bytes) -> bytes:
     head = len(BLOB_MAGIC) + NONCE_BYTES
     if len(blob) < head + 16 or not blob.startswith(BLOB_MAGIC):
         raise AuthenticationFailed("not a sealed chatkv blob (bad magic or truncated)")
+    view = memoryview(blob)  # slicing bytes would copy the whole ciphertext first
     try:
-        return AESGCM(key).decrypt(blob[len(BLOB_MAGIC) : head], blob[head:], associated_data)
+        return AESGCM(key).decrypt(view[len(BLOB_MAGIC) : head], view[head:], associated_data)
     except InvalidTag as exc:
         raise AuthenticationFailed("the blob does not authenticate") from exc
 

@@ -90,3 +90,15 @@ def test_malformed_payloads_are_rejected() -> None:
         session_cache_from_tensors(tensors, {**header, "format_version": 99}, "cpu")
     with pytest.raises(MalformedCache):
         session_cache_from_tensors(tensors, {**header, "own_token_ids": [1, 2]}, "cpu")
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_scales_are_float16_unless_values_are_too_large_for_it(precision: str) -> None:
+    small = quantize(torch.randn(1, 2, 32, 64), precision, is_key=True)
+    assert small.scale.dtype == torch.float16
+    huge = torch.randn(1, 2, 32, 64) * 1e7
+    q = quantize(huge, precision, is_key=True)
+    assert q.scale.dtype == torch.float32
+    restored = dequantize(q, torch.float32)
+    assert torch.isfinite(restored).all()
+    assert float((restored - huge).abs().max()) <= float(huge.abs().max()) / 7
