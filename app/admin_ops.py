@@ -5,10 +5,13 @@ The server builds `AdminOps.of(manager)` over its live `SessionManager`, and its
 dicts as they are; the CLI without `--server` builds `AdminOps.open_home(settings)` and prints the
 same dicts. So a command gives the same answer whether it runs here or through a server.
 
-Reads that need only the database (tenants, session listings, transcripts, a `gc` dry run) do not
-load the model; anything touching caches, keys or the model loads a `SessionManager` on first use.
-Without a live manager no cache is on the device or in host memory, so a session's tier is `disk`
-when a cache blob row names it (the tier a manager adopts at start-up) and `None` otherwise.
+Reads that need only the database (tenants, session listings, transcripts, stats, a `gc` dry run)
+do not load the model, nor import torch: this module imports `sessions.manager` and `cache` only
+where a manager is needed. Anything touching caches, keys or the model loads a `SessionManager` on
+first use. Without a live manager no cache is on the device or in host memory, so a session's tier
+is `disk` when a cache blob row names it (the tier a manager adopts at start-up) and `None`
+otherwise; and the turn counters (hit rate, prefill tokens, evictions) are those of the server
+process, so offline `stats` leaves them out.
 """
 
 from __future__ import annotations
@@ -17,18 +20,20 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cache.ids import TenantId
-from cache.tiers import CacheKey, Tier
 from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
-from sessions.manager import SessionDetail, SessionManager
 from sessions.settings import Settings
 from storage.database import make_engine, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
-TIERS = tuple(t.value for t in Tier)
+if TYPE_CHECKING:
+    from sessions.manager import SessionDetail, SessionManager
+
+TIERS = ("device", "host", "disk")
+"""`cache.tiers.Tier`'s values (not imported: `cache` imports torch)."""
 EVICT_TARGETS = ("host", "disk", "drop")
+OFFLINE_STATS_NOTE = "turn counters are kept by the running server (use --server)"
 SUMMARY_CHARS = 120
 _TENANT_ID_PREFIX = "tn_"
 
@@ -70,9 +75,7 @@ class AdminOps:
         url = settings.resolved_database_url
         engine = make_engine(url)
         upgrade(url, engine)
-        return cls(
-            settings, MetadataStore(engine), load_manager or (lambda: SessionManager(settings)), owns_manager=True
-        )
+        return cls(settings, MetadataStore(engine), load_manager or (lambda: _new_manager(settings)), owns_manager=True)
 
     @property
     def manager(self) -> SessionManager:
@@ -217,11 +220,37 @@ class AdminOps:
     # -- operations ----------------------------------------------------------------------------
 
     def stats(self) -> Json:
-        """`SessionManager.stats()` plus tenant and session totals."""
+        """Tenant and session totals plus, over a live manager, `SessionManager.stats()` (`live`:
+        true). Offline (`open_home`), the tiers as stored (every cache on disk) and no turn counters:
+        they live in the server process (`live`: false, `note` says so). Offline loads no model."""
+        totals: Json = {"tenants": len(self.metadata.list_tenants()), "sessions": len(self.metadata.list_sessions())}
+        if self._owns_manager:
+            return {**totals, **self._stored_stats(), "live": False, "note": OFFLINE_STATS_NOTE}
+        return {**totals, **self.manager.stats(), "live": True}
+
+    def _stored_stats(self) -> Json:
+        """Tier usage from the database alone: no process holds a cache on the device or in host
+        memory, and the disk tier is the `cache_blobs` rows (session caches and shared bases)."""
+        blobs = self.metadata.list_blobs()
+        settings = self.settings
+        budgets = {
+            "device": settings.device_budget_bytes or 0,
+            "host": settings.host_budget_bytes or 0,
+            "disk": settings.disk_budget_bytes or 0,
+        }
+        used = {"device": 0, "host": 0, "disk": sum(b.nbytes for b in blobs)}
+        counts = {"device": 0, "host": 0, "disk": len({(b.tenant_id, b.session_id) for b in blobs if b.session_id})}
         return {
-            "tenants": len(self.metadata.list_tenants()),
-            "sessions": len(self.metadata.list_sessions()),
-            **self.manager.stats(),
+            "tiers": {
+                tier: {
+                    "sessions": counts[tier],
+                    "bytes": used[tier],
+                    "budget_bytes": budgets[tier],
+                    "budget_used": used[tier] / max(1, budgets[tier]),
+                }
+                for tier in TIERS
+            },
+            "model": settings.model,
         }
 
     def rotate_master_key(self, new_key: str | None = None) -> Json:
@@ -277,6 +306,9 @@ class AdminOps:
     def _placement(self) -> Placement:
         """Where each session's cache is: the live manager's answer, else what the database says."""
         if self._manager is not None:
+            from cache.ids import TenantId
+            from cache.tiers import CacheKey
+
             tiers = self._manager.tiers
 
             def live(tenant_id: str, session_id: str) -> str | None:
@@ -285,7 +317,13 @@ class AdminOps:
 
             return live
         on_disk = {(b.tenant_id, b.session_id) for b in self.metadata.list_blobs() if b.session_id}
-        return lambda tenant_id, session_id: Tier.DISK.value if (tenant_id, session_id) in on_disk else None
+        return lambda tenant_id, session_id: "disk" if (tenant_id, session_id) in on_disk else None
+
+
+def _new_manager(settings: Settings) -> SessionManager:
+    from sessions.manager import SessionManager
+
+    return SessionManager(settings)
 
 
 def _tenant_json(record: TenantRecord, sessions: int) -> Json:

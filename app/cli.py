@@ -5,12 +5,13 @@ Admin commands (`tenants`, `sessions`, `stats`, `keys`, `gc`) run through a serv
 they work on the home's database and stores directly, and refuse while a live server holds the home.
 Either way they print the same answers (`app.admin_ops`); every listing takes `--json`.
 
-Exit codes: 0 success; 1 the operation failed (model, I/O, a server error); 2 bad input or not found.
-Every failure is one line on stderr.
+Exit codes: 0 success; 1 the operation failed (model, I/O, a server error) or a confirmation was
+declined (`cancelled`); 2 bad input or not found. Every failure is one line on stderr.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -18,13 +19,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
 import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
 from app.admin_client import AdminClient, AdminRequestFailed
 from storage.home_lock import HomeLockedError, check_unlocked, read_owner
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 # where a command works on a home, so `--server` commands start as fast as an HTTP client.
 
 ADMIN_TOKEN_FILE = "admin.token"  # written by `app.server.admin_token` on the server's first start
+TIERS = ("device", "host", "disk")
+EVICT_TARGETS = ("host", "disk", "drop")
 
 
 class CLIError(Exception):
@@ -51,12 +54,48 @@ class CLIError(Exception):
         self.exit_code = exit_code
 
 
+class Cancelled(Exception):
+    """The user declined a confirmation prompt (exit code 1, `cancelled` on stderr)."""
+
+
 def _fail(message: str, exit_code: int) -> None:
     typer.echo(f"error: {' '.join(str(message).split())}", err=True)
     sys.exit(exit_code)
 
 
-class _OneLineErrors(TyperGroup):
+def _unwrap(text: str | None) -> str | None:
+    """Help text with each paragraph on one line, so the terminal wraps it (Typer keeps the source
+    line breaks of every paragraph after the first, which breaks sentences on narrow terminals)."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def _no_flag_values(params: list[Any]) -> list[Any]:
+    """Show no value placeholder (Typer's `<bool>`) after a flag such as `--json` in help."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Group(TyperGroup):
+    """A command group whose help, and its commands' help, reads well: paragraphs unwrapped (see
+    `_unwrap`) and no value shown after flags."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            command.help = _unwrap(command.help)
+            _no_flag_values(command.get_params(ctx))  # also creates the command's cached --help option
+        return command
+
+    def get_params(self, ctx: Any) -> Any:
+        return _no_flag_values(super().get_params(ctx))
+
+
+class _OneLineErrors(_Group):
     """Turns usage errors and the errors of the layers below into one line on stderr and an exit
     code, instead of Click's usage block or a traceback. Unexpected exceptions (bugs) still raise."""
 
@@ -75,8 +114,9 @@ class _OneLineErrors(TyperGroup):
             if not exc.format_message():  # a group run without a command: Typer printed its help
                 sys.exit(exc.exit_code)
             _fail(exc.format_message(), exc.exit_code)
-        except typer.Abort:
-            _fail("aborted", 1)
+        except (typer.Abort, Cancelled):  # a declined prompt, Ctrl-C or end of input at one
+            typer.echo("cancelled", err=True)
+            sys.exit(1)
         except CLIError as exc:
             _fail(str(exc), exc.exit_code)
         except HomeLockedError as exc:
@@ -99,10 +139,14 @@ app = typer.Typer(
     add_completion=False,
     help="chatkv: chat sessions that keep their KV cache, and the tools to operate them.",
 )
-tenants_app = typer.Typer(no_args_is_help=True, help="Create, list, show, delete tenants; rotate their API keys.")
-sessions_app = typer.Typer(no_args_is_help=True, help="List, inspect, evict, restore, delete and export sessions.")
-keys_app = typer.Typer(no_args_is_help=True, help="Encryption keys.")
-db_app = typer.Typer(no_args_is_help=True, help="The metadata database's schema (Alembic migrations).")
+tenants_app = typer.Typer(
+    cls=_Group, no_args_is_help=True, help="Create, list, show, delete tenants; rotate their API keys."
+)
+sessions_app = typer.Typer(
+    cls=_Group, no_args_is_help=True, help="List, inspect, evict, restore, delete and export sessions."
+)
+keys_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Encryption keys.")
+db_app = typer.Typer(cls=_Group, no_args_is_help=True, help="The metadata database's schema (Alembic migrations).")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(keys_app, name="keys")
@@ -273,6 +317,20 @@ def _when(iso: str) -> str:
     return iso[:19].replace("T", " ")
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 session`, `2 sessions`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _confirm(question: str, yes: bool) -> None:
+    """Ask `question` unless `yes`; raises `Cancelled` when the answer is no."""
+    if not yes and not typer.confirm(question):
+        raise Cancelled()
+
+
+YesOption = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+
+
 # -- serve and chat ----------------------------------------------------------------------------
 
 
@@ -286,15 +344,42 @@ def serve_command(
         str | None, typer.Option(help="'default' (bundled SmolLM2-135M-Instruct) or a local model directory.")
     ] = None,
 ) -> None:
-    """Serve the chat UI at /, the admin API under /admin/ and Prometheus metrics at /metrics."""
-    from app.server import serve
+    """Serve the chat UI at /, the admin API under /admin/ and Prometheus metrics at /metrics.
 
-    check_unlocked(_home(ctx.obj))  # before a manager touches stores that a live server owns
-    settings = _settings(ctx.obj, model=model)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("app").setLevel(logging.INFO)
-    with _domain_errors():
-        serve(_load_manager(settings), host=host, port=port, local=local)
+    Runs until Ctrl-C or SIGTERM (exit code 0): turns in flight complete, caches are persisted so the
+    next start resumes warm, and the home's lock is released.
+    """
+    from app.server import ListenError, bind_sockets, serve
+
+    try:
+        check_unlocked(_home(ctx.obj))  # before a manager touches stores that a live server owns
+        # Before the model loads (seconds): a taken port fails at once. Held until uvicorn listens.
+        sockets = bind_sockets(host, port)
+    except HomeLockedError as exc:
+        raise CLIError(_held_by_server(exc), 2) from None
+    except ListenError as exc:
+        raise CLIError(str(exc), 1) from None
+    try:
+        settings = _settings(ctx.obj, model=model)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("app").setLevel(logging.INFO)
+        with _domain_errors():
+            serve(_load_manager(settings), host=host, port=port, local=local, sockets=sockets)
+    except HomeLockedError as exc:  # a server took the home while the model loaded
+        raise CLIError(_held_by_server(exc), 2) from None
+    except ListenError as exc:
+        raise CLIError(str(exc), 1) from None
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _held_by_server(exc: HomeLockedError) -> str:
+    owner = exc.owner
+    return (
+        f"another chatkv server (pid {owner.pid}, {owner.url or 'no URL'}) holds this home; "
+        "stop it or use another CHATKV_HOME"
+    )
 
 
 @app.command("chat")
@@ -323,7 +408,8 @@ def chat_command(
             typer.echo(f"session {session} (new)")
         else:
             info = manager.session_info(tenant_id, session)
-            typer.echo(f"session {session}: {info.message_count // 2} turns, cache {info.tier or 'not stored'}")
+            turns = _count(info.message_count // 2, "turn")
+            typer.echo(f"session {session}: {turns}, cache {info.tier or 'not stored'}")
         _repl(manager, tenant_id, session, max_new_tokens)
 
 
@@ -428,11 +514,7 @@ def tenants_show(ctx: typer.Context, tenant: str, as_json: JsonOption = False) -
 
 
 @tenants_app.command("delete")
-def tenants_delete(
-    ctx: typer.Context,
-    tenant: str,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
-) -> None:
+def tenants_delete(ctx: typer.Context, tenant: str, yes: YesOption = False) -> None:
     """Delete a tenant and everything of it, for good.
 
     Its data key is destroyed first (crypto-shredding), so a cache blob that survives anywhere
@@ -440,9 +522,8 @@ def tenants_delete(
     """
     with _admin(ctx) as admin:
         info = admin.show_tenant(tenant)
-        question = f"Delete tenant {info['name']} ({info['id']}) and its {info['sessions']} sessions for good?"
-        if not yes and not typer.confirm(question):
-            raise CLIError("not deleted", 1)
+        sessions = _count(info["sessions"], "session")
+        _confirm(f"Delete tenant {info['name']} ({info['id']}) and its {sessions} for good?", yes)
         admin.delete_tenant(info["id"])
     typer.echo(f"deleted tenant {info['name']} ({info['id']})")
 
@@ -472,7 +553,7 @@ def sessions_list(
     ctx: typer.Context,
     tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="Only this tenant's sessions.")] = None,
     tier: Annotated[
-        Literal["device", "host", "disk"] | None, typer.Option(help="Only sessions cached in this tier.")
+        str | None, typer.Option(metavar="device|host|disk", help="Only sessions cached in this tier.")
     ] = None,
     idle_for: Annotated[
         float | None,
@@ -483,6 +564,8 @@ def sessions_list(
     as_json: JsonOption = False,
 ) -> None:
     """List sessions, most recently active first."""
+    if tier is not None and tier not in TIERS:
+        raise CLIError("--tier must be device, host or disk", 2)
     with _admin(ctx) as admin:
         sessions = admin.list_sessions(tenant=tenant, tier=tier, idle_for_s=idle_for)
     _print(
@@ -514,7 +597,7 @@ def _render_inspect(detail: Json) -> None:
             ("session", f"{s['id']} (tenant {s['tenant']})"),
             ("title", s["title"]),
             ("tier", s["tier"] or "none (the next turn rebuilds the cache)"),
-            ("turns", f"{t['turns']} ({t['messages']} messages, {s['token_count']} tokens)"),
+            ("turns", f"{t['turns']} ({_count(t['messages'], 'message')}, {_count(s['token_count'], 'token')})"),
             ("first message", t["first_user_message"]),
             ("last message", t["last_user_message"]),
             ("last reply", t["last_reply"]),
@@ -528,7 +611,7 @@ def _render_inspect(detail: Json) -> None:
             layer["kind"],
             "prefix" if layer["turn_index"] is None else layer["turn_index"],
             layer["tokens"],
-            f"{layer['positions'][0]}-{layer['positions'][1]}",
+            f"[{layer['positions'][0]}, {layer['positions'][1]})",
             layer["precision"],
             "shared pool" if layer["shared"] else layer["tier"],
             layer["bytes"],
@@ -542,9 +625,10 @@ def _render_inspect(detail: Json) -> None:
 def sessions_inspect(ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False) -> None:
     """Show a session: transcript summary, layer table, model fingerprint, last TTFT.
 
-    The layer table has one row per layer: kind (base or turn), turn, tokens, RoPE positions,
-    precision, tier and bytes (the layer's share of the cache by tokens). The system-prompt prefix
-    lives in the tenant's shared prefix pool. A stored cache is decrypted to read its layers.
+    The layer table has one row per layer: kind (base or turn), turn, tokens, RoPE positions (a
+    half-open range: [0, 21) is positions 0 to 20), precision, tier and bytes (the layer's share of
+    the cache by tokens). The system-prompt prefix lives in the tenant's shared prefix pool. A
+    stored cache is decrypted to read its layers.
     """
     with _admin(ctx) as admin:
         detail = admin.inspect_session(tenant, session_id)
@@ -553,7 +637,7 @@ def sessions_inspect(ctx: typer.Context, session_id: str, tenant: TenantOption, 
 
 @sessions_app.command("show")
 def sessions_show(ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False) -> None:
-    """Same as `sessions inspect`."""
+    """Alias of `sessions inspect`."""
     sessions_inspect(ctx, session_id, tenant, as_json)
 
 
@@ -562,16 +646,18 @@ def sessions_evict(
     ctx: typer.Context,
     session_id: str,
     tenant: TenantOption,
-    to: Annotated[Literal["host", "disk", "drop"], typer.Option(help="Target tier, or drop the cache.")],
+    to: Annotated[str, typer.Option(metavar="host|disk|drop", help="Target tier, or drop the cache.")],
 ) -> None:
     """Move an idle session's cache down to host memory or disk, or drop it.
 
     A dropped cache is rebuilt from the transcript by the next turn. With --server this frees the
     server's device; without one, every stored cache is on disk already.
     """
+    if to not in EVICT_TARGETS:
+        raise CLIError("--to must be host, disk or drop", 2)
     with _admin(ctx) as admin:
         result = admin.evict_session(tenant, session_id, to)
-    typer.echo(f"{session_id}: {result['tier'] or 'no cache stored'}")
+    typer.echo(f"{session_id}: {'dropped' if to == 'drop' else result['tier']}")
 
 
 @sessions_app.command("restore")
@@ -584,14 +670,26 @@ def sessions_restore(ctx: typer.Context, session_id: str, tenant: TenantOption) 
         raise CLIError("sessions restore needs --server (or CHATKV_SERVER)", 2)
     with _admin(ctx) as admin:
         result = admin.restore_session(tenant, session_id)
-    source = result["restored_from"] or "nothing stored"
-    typer.echo(f"{session_id}: {result['tier'] or 'no cache'} (from {source}, {result['restore_s'] * 1000:.1f} ms)")
+    if result["tier"] is None:
+        why = "the stored cache was unusable and was discarded" if result["rejected"] else "nothing stored"
+        typer.echo(f"{session_id}: {why}; the next turn rebuilds it from the transcript")
+        return
+    source = result["restored_from"] or result["tier"]
+    typer.echo(f"{session_id}: {result['tier']} (from {source}, {result['restore_s'] * 1000:.1f} ms)")
 
 
 @sessions_app.command("delete")
-def sessions_delete(ctx: typer.Context, session_id: str, tenant: TenantOption) -> None:
-    """Delete a session: transcript, caches in every tier and files."""
+def sessions_delete(ctx: typer.Context, session_id: str, tenant: TenantOption, yes: YesOption = False) -> None:
+    """Delete a session for good: transcript, caches in every tier and files. Asks for confirmation
+    unless --yes."""
     with _admin(ctx) as admin:
+        found = [s for s in admin.list_sessions(tenant=tenant) if s["id"] == session_id]
+        if not found:
+            raise CLIError(f"session not found: {session_id}", 2)
+        session = found[0]
+        title = f" ({session['title']})" if session["title"] else ""
+        turns = _count(session["message_count"] // 2, "turn")
+        _confirm(f"Delete session {session_id}{title} of tenant {session['tenant']}, {turns}, for good?", yes)
         admin.delete_session(tenant, session_id)
     typer.echo(f"deleted session {session_id}")
 
@@ -613,6 +711,10 @@ def _render_stats(stats: Json) -> None:
         for tier, t in stats["tiers"].items()
     ]
     _table(("tier", "sessions", "bytes", "budget", "used"), rows)
+    if not stats.get("live", True):  # offline: tiers as stored, no turn counters
+        _pairs([("tenants", stats["tenants"]), ("sessions", stats["sessions"]), ("model", stats["model"])])
+        typer.echo(f"note: {stats['note']}")
+        return
     evictions = ", ".join(f"{move} {int(n)}" for move, n in stats["evictions"].items()) or "none"
     _pairs(
         [
@@ -631,8 +733,9 @@ def _render_stats(stats: Json) -> None:
 def stats_command(ctx: typer.Context, as_json: JsonOption = False) -> None:
     """Sessions and bytes per tier, budgets used, cache hit rate, prefill tokens saved, evictions.
 
-    Hit rate, prefill and eviction counters are those of the process serving the answer since it
-    started: use --server for a running service's.
+    With --server: the running server's tiers, and its turn counters (hit rate, prefill tokens,
+    evictions) since it started. Without: the tiers as stored in the home (every cache on disk),
+    without turn counters, and without loading the model.
     """
     with _admin(ctx) as admin:
         stats = admin.stats()
@@ -678,7 +781,8 @@ def _render_gc(report: Json) -> None:
         return
     verb = "would remove" if report["dry_run"] else "removed"
     expired = report["expired_sessions"]
-    typer.echo(f"{verb} {len(expired)} sessions idle longer than {_duration_text(report['retention_s'])}")
+    sessions = _count(len(expired), "session")
+    typer.echo(f"{verb} {sessions} idle longer than {_duration_text(report['retention_s'])}")
     for s in expired:
         typer.echo(f"  {s['id']}  tenant {s['tenant']}  last active {_when(s['last_active_at'])}")
 

@@ -7,22 +7,62 @@ home's lock file while it runs (see `storage.home_lock`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import secrets
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from sessions.manager import SessionManager
 from storage.atomic_files import write_atomic
+
+if TYPE_CHECKING:
+    from sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
 
 ADMIN_TOKEN_FILE = "admin.token"
+SHUTDOWN_TURN_WAIT_S = 120.0
+"""How long a shutdown waits for chat turns in flight (they are stored when they complete)."""
+
+
+class ListenError(Exception):
+    """The server cannot listen on the address; the message is one line for the operator."""
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bind (without listening yet) the sockets `serve` listens on: one per address of `host`, with
+    the options uvicorn and asyncio use. Done before the model loads, so a taken port fails at once.
+
+    Raises:
+        ListenError: if the port is in use or the address cannot be bound.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}: {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(f"port {port} on {host} is in use (is `make run` still running?)") from None
+        raise ListenError(f"cannot listen on port {port} on {host}: {exc.strerror or exc}") from None
+    return sockets
 
 
 def admin_token(home: Path, configured: str | None) -> str:
@@ -37,7 +77,7 @@ def admin_token(home: Path, configured: str | None) -> str:
 
 
 def build_app(manager: SessionManager, *, local: bool, token: str) -> FastAPI:
-    """The whole server app for `manager`.
+    """The whole server app for `manager`. Its `state.chat_ui` is the chat page's `ChatUI`.
 
     Args:
         local: single-tenant local mode (no API key asked; the UI uses the `local` tenant).
@@ -46,10 +86,12 @@ def build_app(manager: SessionManager, *, local: bool, token: str) -> FastAPI:
     import gradio as gr
 
     from app.admin_api import admin_router
-    from app.ui import UI_CSS, build_ui
+    from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
     app = FastAPI(title="chatkv", docs_url=None, redoc_url=None)
     app.include_router(admin_router(manager, token), prefix="/admin")
+    chat_ui = ChatUI(manager, local=local)
+    app.state.chat_ui = chat_ui
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -63,51 +105,80 @@ def build_app(manager: SessionManager, *, local: bool, token: str) -> FastAPI:
     # and its API page documents event endpoints that are internal to this page: both off.
     return gr.mount_gradio_app(
         app,
-        build_ui(manager, local=local),
+        build_ui(manager, local=local, chat_ui=chat_ui),
         path="/",
         footer_links=[],
         run_history=False,
         ssr_mode=False,
         css=UI_CSS,
+        i18n=gr.I18n(**UI_TRANSLATIONS),
     )
 
 
-def serve(manager: SessionManager, *, host: str = "127.0.0.1", port: int = 7860, local: bool = False) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM), holding the home lock; closes `manager` at the
-    end, which persists its caches so the next start resumes warm.
+def serve(
+    manager: SessionManager,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    local: bool = False,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM, both a normal end: exit code 0), holding the home
+    lock; at the end waits for chat turns in flight, then closes `manager`, which persists its
+    caches so the next start resumes warm.
+
+    Args:
+        sockets: from `bind_sockets(host, port)`, bound before the manager was made (default: bound
+            here). They are closed at the end.
 
     Raises:
         HomeLockedError: if another live server holds the same chatkv home.
+        ListenError: if the port cannot be bound, or the server did not start.
     """
     import uvicorn
 
     from storage.home_lock import HomeLock
 
     url = f"http://{host}:{port}"
-    token = admin_token(manager.settings.home, manager.settings.admin_token)
+    configured = manager.settings.admin_token
+    token = admin_token(manager.settings.home, configured)
+    token_source = "from CHATKV_ADMIN_TOKEN" if configured else f"in {manager.settings.home / ADMIN_TOKEN_FILE}"
+    app = None
     try:
+        if sockets is None:
+            sockets = bind_sockets(host, port)
         with HomeLock(manager.settings.home, url), _sigterm_exits():
             app = build_app(manager, local=local, token=token)
-            log.info("chatkv serving %s on %s (admin token in %s)", manager.model_name, url, manager.settings.home)
-            uvicorn.run(app, host=host, port=port, log_level="warning")
+            log.info("chatkv serving %s on %s (admin token %s)", manager.model_name, url, token_source)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shut down gracefully
+                server.run(sockets=sockets)
+            if not server.started:
+                raise ListenError(f"the server on {url} did not start")
     finally:
+        for sock in sockets or ():
+            sock.close()
+        if app is not None and not app.state.chat_ui.wait_for_turns(SHUTDOWN_TURN_WAIT_S):
+            log.warning("chat turns still running after %.0f s are abandoned", SHUTDOWN_TURN_WAIT_S)
         manager.close()
 
 
 @contextlib.contextmanager
 def _sigterm_exits() -> Iterator[None]:
-    """Make SIGTERM raise `SystemExit` while serving.
+    """Make SIGTERM end the process with exit code 0 (a requested shutdown is a success), after
+    the `finally` blocks that persist caches and release the home lock.
 
     uvicorn shuts down gracefully on SIGTERM and then raises the signal again under the handler that
     was installed before it started; with the default handler that kills the process at once, so
-    `manager.close()` (persisting caches) and the home lock's release would never run.
+    `manager.close()` (persisting caches) and the home lock's release would never run. This handler
+    raises `SystemExit(0)` instead.
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread; uvicorn then ignores signals too
         return
 
     def exit_now(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+        raise SystemExit(0)
 
     previous = signal.signal(signal.SIGTERM, exit_now)
     try:

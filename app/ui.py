@@ -3,8 +3,13 @@ start a session, chat with streaming output, and see what each turn cost (TTFT, 
 vs reused, where the cache came from, decode speed).
 
 Every page action is a `SessionManager` call made with the tenant of this browser tab. The tenant
-lives in a `gr.State`, which Gradio keeps server-side per tab (a client cannot set it); a module
-global here would show one tenant's sessions on another tenant's page.
+and the API key it signed in with live in a `gr.State`, which Gradio keeps server-side per tab (a
+client cannot set it); a module global here would show one tenant's sessions on another tenant's
+page. The key is checked again on every event that touches the tenant's data, so rotating or
+deleting a tenant's key (or the tenant) signs out the tabs that use it.
+
+A turn runs to completion in a worker thread whether or not its tab is still there: reloading or
+closing the page mid-reply still stores the message and the whole reply.
 
 The event handlers are methods of `ChatUI` and return a `View` (one field per output component), so
 tests call them directly without a browser.
@@ -14,30 +19,45 @@ from __future__ import annotations
 
 import contextlib
 import html
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+import logging
+import queue
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
 from sessions.errors import ChatKVError, TenantExists, TenantNotFound
-from sessions.manager import SessionManager
 from sessions.records import Reply, SessionInfo, Tenant, TurnStats
+
+if TYPE_CHECKING:
+    from sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
 
 LOCAL_TENANT = "local"
 UNKNOWN_KEY_MESSAGE = "unknown API key"
 """The one answer to a wrong key and to a key of an unknown tenant (they must look the same)."""
+EMPTY_KEY_MESSAGE = "enter an API key"
 CHAT_CONCURRENCY = 4
 """Turns streamed at once across all tabs; the engine interleaves their model calls token by token."""
+LABEL_CHARS = 40
+"""Length of an untitled session's label in the picker (its first message, shortened)."""
+CLEAR_LABEL = "New conversation (this one stays in the Session list)"
+"""Tooltip of the chat's clear button, which leaves the session on screen without deleting it."""
 STATS_HEADERS = [
     "turn",
     "TTFT (ms)",
     "prefilled tokens",
     "reused tokens",
     "cache from",
+    "restore (ms)",
     "decode tokens/s",
     "context tokens",
 ]
+STATS_TABLE_LABEL = "Turns sent in this page visit"
 UI_CSS = """
 #turn-stats .chatkv-stats { font-size: 0.9em; opacity: 0.85; padding: 2px 4px; }
 #turn-stats b { font-variant-numeric: tabular-nums; }
@@ -45,21 +65,27 @@ UI_CSS = """
 #session-info { font-size: 0.85em; opacity: 0.8; }
 """
 """Passed to `gr.mount_gradio_app` (Gradio 6 takes CSS at mount/launch, not in `gr.Blocks`)."""
+UI_TRANSLATIONS = {"en": {"chatbot.clear": CLEAR_LABEL}}
+"""Passed to `gr.mount_gradio_app` as `gr.I18n(**UI_TRANSLATIONS)`: the clear button's tooltip."""
 
 Shown = tuple[tuple[str, str], ...]
 """Messages on screen as `(role, text)` pairs, roles `user` / `assistant`."""
-StatsRow = tuple[int, float, int, int, str, float | None, int]
+StatsRow = tuple[int, float, int, int, str, float | None, float | None, int]
+_SOURCE_NAMES = {"device": "device", "host": "host memory", "disk": "disk"}
+_MAX_LABELS = 10_000
 
 
 @dataclass(frozen=True)
 class ViewState:
-    """What one browser tab holds (in a `gr.State`): its tenant, the open session, the messages on
-    screen and the stats of the turns run in this tab."""
+    """What one browser tab holds (in a `gr.State`): its tenant and the API key it signed in with
+    (checked again on every event; `None` in local mode), the open session, the messages on screen
+    and the stats of the turns run in this tab."""
 
     tenant: Tenant | None = None
     session_id: str | None = None
     shown: Shown = ()
     stats_rows: tuple[StatsRow, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
 
 
 class View(NamedTuple):
@@ -76,6 +102,7 @@ class View(NamedTuple):
     session_info: Any
     chatbot: Any
     message: Any
+    send_button: Any
     stats_line: Any
     stats_table: Any
     error_line: Any
@@ -87,12 +114,90 @@ def _view(state: ViewState, **changes: Any) -> View:
     return View(**values)
 
 
+def _input(enabled: bool, **value: Any) -> dict[str, Any]:
+    """The message box or the Send button: usable or not (while a reply streams)."""
+    return gr.update(interactive=enabled, **value)
+
+
+class _Turn:
+    """One turn run to completion in a worker thread; its reply pieces, then the `Reply` (or the
+    exception it failed with), then `_Turn.END`, arrive on `items`. Nobody has to read them: the
+    turn is stored when it completes even if its tab went away.
+
+    A first turn of a session started for it (`delete_on_failure`) that fails deletes that session
+    again, so failed sends do not leave empty sessions behind.
+    """
+
+    END = object()
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        tenant: Tenant,
+        session_id: str,
+        text: str,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        delete_on_failure: bool,
+    ) -> None:
+        self.manager = manager
+        self.tenant = tenant
+        self.session_id = session_id
+        self.text = text
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.delete_on_failure = delete_on_failure
+        self.items: queue.Queue[object] = queue.Queue()
+        self.session_deleted = False
+
+    def run(self) -> None:
+        """Run the turn to its end, queueing what it yields (the worker thread's body)."""
+        try:
+            for item in self.manager.stream_chat(
+                self.tenant,
+                self.session_id,
+                self.text,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+            ):
+                self.items.put(item)
+        except Exception as exc:
+            if not isinstance(exc, ChatKVError):
+                log.exception("turn on session %s failed", self.session_id)
+            if self.delete_on_failure:
+                self._delete_empty_session()
+            self.items.put(exc)
+        finally:
+            self.items.put(_Turn.END)
+
+    def _delete_empty_session(self) -> None:
+        with contextlib.suppress(ChatKVError):
+            if not self.manager.history(self.tenant, self.session_id):
+                self.manager.delete_session(self.tenant, self.session_id)
+                self.session_deleted = True
+
+    def next_items(self) -> list[object]:
+        """Wait for the next item, then take every item already queued (a slow reader gets the
+        pieces in batches instead of falling behind)."""
+        items = [self.items.get()]
+        with contextlib.suppress(queue.Empty):
+            while items[-1] is not _Turn.END:
+                items.append(self.items.get_nowait())
+        return items
+
+
 class ChatUI:
-    """Event handlers of the chat page over one manager. Holds no per-user data: that is in `ViewState`."""
+    """Event handlers of the chat page over one manager. Holds no tab's data (that is in
+    `ViewState`): only the turns in flight and the first messages that label untitled sessions."""
 
     def __init__(self, manager: SessionManager, *, local: bool) -> None:
         self.manager = manager
         self.local = local
+        self._turns: set[threading.Thread] = set()
+        self._turns_lock = threading.Lock()
+        self._first_messages: dict[tuple[str, str], str] = {}
+        """(tenant id, session id) -> the session's first user message (it never changes)."""
 
     # -- signing in ----------------------------------------------------------------------------
 
@@ -104,15 +209,18 @@ class ChatUI:
             tenant = local_tenant(self.manager)
         except ChatKVError as exc:
             return _view(ViewState(), main_panel=gr.update(visible=True), error_line=_error_html(str(exc)))
-        return self._signed_in(tenant)
+        return self._signed_in(tenant, None)
 
     def login(self, api_key: str, state: ViewState) -> View:
         """Resolve a tenant API key; any wrong or unknown key gets `UNKNOWN_KEY_MESSAGE`."""
+        key = (api_key or "").strip()
+        if not key:
+            return self._signed_out(message=_error_html(EMPTY_KEY_MESSAGE))
         try:
-            tenant = self.manager.tenant_for_api_key((api_key or "").strip())
+            tenant = self.manager.tenant_for_api_key(key)
         except TenantNotFound:
             return self._signed_out(message=_error_html(UNKNOWN_KEY_MESSAGE))
-        return self._signed_in(tenant)
+        return self._signed_in(tenant, key)
 
     def sign_out(self, state: ViewState) -> View:
         return self._signed_out()
@@ -129,14 +237,15 @@ class ChatUI:
             session_picker=gr.update(choices=[], value=None),
             session_info="",
             chatbot=[],
-            message="",
+            message=_input(True, value=""),
+            send_button=_input(True),
             stats_line="",
             stats_table=[],
             error_line="",
         )
 
-    def _signed_in(self, tenant: Tenant) -> View:
-        state = ViewState(tenant=tenant)
+    def _signed_in(self, tenant: Tenant, api_key: str | None) -> View:
+        state = ViewState(tenant=tenant, api_key=api_key)
         return _view(
             state,
             login_panel=gr.update(visible=False),
@@ -147,58 +256,80 @@ class ChatUI:
             session_picker=self._picker(tenant, None),
             session_info="",
             chatbot=[],
-            message="",
+            message=_input(True, value=""),
+            send_button=_input(True),
             stats_line="",
             stats_table=[],
             error_line="",
         )
 
+    def _tenant(self, state: ViewState) -> Tenant | View:
+        """The tab's tenant, its API key checked again (it may have been rotated or deleted, or the
+        tenant deleted, since sign-in); else the view to answer with (signed out, or "sign in first")."""
+        if state.tenant is None:
+            return _view(state, error_line=_error_html("sign in first"))
+        if self.local:
+            return state.tenant
+        try:
+            tenant = self.manager.tenant_for_api_key(state.api_key or "")
+        except TenantNotFound:
+            return self._signed_out(message=_error_html(UNKNOWN_KEY_MESSAGE))
+        if tenant.id != state.tenant.id:  # a key names its tenant; never another one
+            return self._signed_out(message=_error_html(UNKNOWN_KEY_MESSAGE))
+        return tenant
+
     # -- sessions ------------------------------------------------------------------------------
 
     def refresh_sessions(self, state: ViewState) -> View:
-        if state.tenant is None:
-            return _view(state, error_line=_error_html("sign in first"))
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
         try:
-            return _view(state, session_picker=self._picker(state.tenant, state.session_id), error_line="")
+            return _view(state, session_picker=self._picker(tenant, state.session_id), error_line="")
         except ChatKVError as exc:
             return _view(state, error_line=_error_html(str(exc)))
 
     def select_session(self, session_id: str | None, state: ViewState) -> View:
         """Open one of the tenant's sessions and show its history."""
-        if state.tenant is None:
-            return _view(state, error_line=_error_html("sign in first"))
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
         if not session_id:
             return _view(replace(state, session_id=None, shown=(), stats_rows=()), chatbot=[], session_info="")
         try:
-            info = self.manager.session_info(state.tenant, session_id)
-            history = self.manager.history(state.tenant, session_id)
+            info = self.manager.session_info(tenant, session_id)
+            history = self.manager.history(tenant, session_id)
         except ChatKVError as exc:
             return _view(state, error_line=_error_html(str(exc)))
         shown = tuple((m.role, m.text) for m in history if m.role in ("user", "assistant"))
         state = replace(state, session_id=info.id, shown=shown, stats_rows=())
+        note = _note_html(
+            "Turn stats cover the turns you send in this page visit; earlier turns were not measured here."
+        )
         return _view(
             state,
             session_info=_session_info_html(info),
             chatbot=_chat(shown),
-            stats_line="",
+            stats_line=note if shown else "",
             stats_table=[],
             error_line="",
         )
 
     def new_session(self, title: str, system_prompt: str, state: ViewState) -> View:
         """Start a session (empty title / system prompt: none) and switch to it."""
-        if state.tenant is None:
-            return _view(state, error_line=_error_html("sign in first"))
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
         try:
             session_id = self.manager.open_session(
-                state.tenant, system_prompt=system_prompt.strip() or None, title=title.strip() or None
+                tenant, system_prompt=system_prompt.strip() or None, title=title.strip() or None
             )
-            info = self.manager.session_info(state.tenant, session_id)
-            picker = self._picker(state.tenant, session_id)
+            info = self.manager.session_info(tenant, session_id)
+            picker = self._picker(tenant, session_id)
         except ChatKVError as exc:
             return _view(state, error_line=_error_html(str(exc)))
         return _view(
-            ViewState(tenant=state.tenant, session_id=session_id),
+            replace(state, session_id=session_id, shown=(), stats_rows=()),
             session_picker=picker,
             session_info=_session_info_html(info),
             chatbot=[],
@@ -210,10 +341,17 @@ class ChatUI:
     def leave_session(self, state: ViewState) -> View:
         """The chat's clear button: close the session on screen (it stays stored and listed); the
         next message starts a new one."""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
+        left = state.session_id is not None
+        note = "New conversation: your next message starts a new session."
+        if left:
+            note += " The previous one is kept in the Session list."
         return _view(
-            ViewState(tenant=state.tenant),
+            replace(state, session_id=None, shown=(), stats_rows=()),
             session_picker=gr.update(value=None),
-            session_info="",
+            session_info=html.escape(note),
             chatbot=[],
             stats_line="",
             stats_table=[],
@@ -221,59 +359,158 @@ class ChatUI:
         )
 
     def _picker(self, tenant: Tenant, selected: str | None) -> dict[str, Any]:
-        choices = [(_session_label(info), str(info.id)) for info in self.manager.list_sessions(tenant)]
+        choices = [(self._session_label(tenant, info), str(info.id)) for info in self.manager.list_sessions(tenant)]
         return gr.update(choices=choices, value=selected)
+
+    def _session_label(self, tenant: Tenant, info: SessionInfo) -> str:
+        """`title · time`; an untitled session is named by its first message, or `(empty)`."""
+        when = f"{info.last_active_at:%Y-%m-%d %H:%M}"
+        if info.title:
+            return f"{info.title} · {when}"
+        first = self._first_message(tenant, info) if info.message_count else None
+        return f"{_shorten(first, LABEL_CHARS)} · {when}" if first else f"(empty) · {when}"
+
+    def _first_message(self, tenant: Tenant, info: SessionInfo) -> str | None:
+        key = (str(tenant.id), str(info.id))
+        first = self._first_messages.get(key)
+        if first is None:
+            try:
+                history = self.manager.history(tenant, info.id)
+            except ChatKVError:  # deleted since it was listed
+                return None
+            first = next((m.text for m in history if m.role == "user"), None)
+            if first is not None:
+                if len(self._first_messages) >= _MAX_LABELS:
+                    self._first_messages.clear()
+                self._first_messages[key] = first
+        return first
 
     # -- turns ---------------------------------------------------------------------------------
 
-    def send(self, message: str, max_new_tokens: float, temperature: float, state: ViewState) -> Iterator[View]:
+    def send(
+        self, message: str, max_new_tokens: float, temperature: float, state: ViewState
+    ) -> Generator[View, None, None]:
         """Stream one turn: the reply grows on screen, then the turn's stats appear. Without an open
-        session a new untitled one is started. An error restores the message box and shows one line.
+        session a new untitled one is started (and deleted again if the turn fails). The message box
+        and Send are disabled while the reply streams. An error restores the message box and shows
+        one line. The turn runs in a worker thread: it completes (and is stored) even if this
+        generator is closed because the tab went away.
 
         Args:
             max_new_tokens: most tokens of the reply (a slider's float).
             temperature: 0 for greedy decoding.
         """
         text = message or ""
-        tenant = state.tenant
-        if tenant is None:
-            yield _view(state, error_line=_error_html("sign in first"))
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            yield tenant
             return
         if not text.strip():
             yield _view(state, error_line=_error_html("type a message first"))
             return
-        picker: Any = gr.update()
         session_id = state.session_id
-        if session_id is None:
-            try:
+        created = session_id is None
+        try:
+            if session_id is None:
                 session_id = self.manager.open_session(tenant)
-                picker = self._picker(tenant, session_id)
-            except ChatKVError as exc:
-                yield _view(state, error_line=_error_html(str(exc)))
-                return
-            state = replace(state, session_id=session_id)
+            picker = self._picker(tenant, session_id) if created else gr.update()
+        except ChatKVError as exc:
+            yield _view(state, error_line=_error_html(str(exc)))
+            return
+        # Started before the first yield: if the tab goes away right after sending, the turn still runs.
+        turn = self._start_turn(
+            _Turn(
+                self.manager,
+                tenant,
+                session_id,
+                text,
+                max_new_tokens=int(max_new_tokens),
+                temperature=float(temperature),
+                delete_on_failure=created,
+            )
+        )
+        before = state
+        state = replace(state, session_id=session_id)
         shown = (*state.shown, ("user", text))
-        yield _view(state, chatbot=_chat(shown), message="", session_picker=picker, error_line="")
-        # Closing the generator when this tab goes away releases the session's lease at once.
-        stream = self.manager.stream_chat(
-            tenant, session_id, text, max_new_tokens=int(max_new_tokens), temperature=float(temperature)
+        yield _view(
+            state,
+            chatbot=_chat(shown),
+            message=_input(False, value=""),
+            send_button=_input(False),
+            session_picker=picker,
+            error_line="",
         )
         pieces: list[str] = []
         reply: Reply | None = None
-        try:
-            with contextlib.closing(stream):
-                for item in stream:
-                    if isinstance(item, Reply):
-                        reply = item
-                    else:
-                        pieces.append(item)
-                        yield _view(state, chatbot=_chat((*shown, ("assistant", "".join(pieces)))))
-        except ChatKVError as exc:
-            yield _view(state, chatbot=_chat(state.shown), message=text, error_line=_error_html(str(exc)))
-            return
+        failure: Exception | None = None
+        done = False
+        while not done:
+            streamed = len(pieces)
+            for item in turn.next_items():
+                if item is _Turn.END:
+                    done = True
+                elif isinstance(item, Reply):
+                    reply = item
+                elif isinstance(item, Exception):
+                    failure = item
+                elif isinstance(item, str):
+                    pieces.append(item)
+            if not done and len(pieces) > streamed:
+                yield _view(state, chatbot=_chat((*shown, ("assistant", "".join(pieces)))))
         if reply is None:
-            raise RuntimeError("bug: stream_chat ended without a Reply")
+            yield self._failed_turn(before, tenant, text, failure, turn.session_deleted)
+            return
         yield self._after_turn(state, tenant, session_id, text, reply)
+
+    def _start_turn(self, turn: _Turn) -> _Turn:
+        """Run `turn` in a worker thread, tracked until it ends (see `wait_for_turns`)."""
+
+        def work() -> None:
+            try:
+                turn.run()
+            finally:
+                with self._turns_lock:
+                    self._turns.discard(thread)
+
+        thread = threading.Thread(target=work, name=f"chatkv-turn-{turn.session_id}", daemon=True)
+        with self._turns_lock:
+            self._turns.add(thread)
+        thread.start()
+        return turn
+
+    def wait_for_turns(self, timeout_s: float) -> bool:
+        """Wait until the turns in flight (of any tab, also of tabs that went away) are stored;
+        `False` if some are still running after `timeout_s`. The server calls it before closing
+        the manager."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._turns_lock:
+                running = list(self._turns)
+            if not running:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            running[0].join(remaining)
+
+    def _failed_turn(
+        self, state: ViewState, tenant: Tenant, text: str, failure: Exception | None, session_deleted: bool
+    ) -> View:
+        if isinstance(failure, ChatKVError):
+            message = str(failure)
+        else:  # a bug, logged by the worker with its traceback
+            message = "the turn failed (internal error, see the server log); nothing was stored"
+        view = _view(
+            state,
+            chatbot=_chat(state.shown),
+            message=_input(True, value=text),
+            send_button=_input(True),
+            error_line=_error_html(message),
+        )
+        if session_deleted:
+            with contextlib.suppress(ChatKVError):
+                view = view._replace(session_picker=self._picker(tenant, None))
+        return view
 
     def _after_turn(self, state: ViewState, tenant: Tenant, session_id: str, text: str, reply: Reply) -> View:
         shown = (*state.shown, ("user", text), ("assistant", reply.text))
@@ -283,7 +520,9 @@ class ChatUI:
         view = _view(
             state,
             chatbot=_chat(shown),
-            stats_line=_stats_html(row),
+            message=_input(True),
+            send_button=_input(True),
+            stats_line=_stats_html(turn, reply.stats),
             stats_table=[list(r) for r in state.stats_rows],
         )
         try:
@@ -293,17 +532,20 @@ class ChatUI:
             return view._replace(error_line=_error_html(str(exc)))
 
 
-def build_ui(manager: SessionManager, *, local: bool) -> gr.Blocks:
+def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = None) -> gr.Blocks:
     """The chat page over `manager`. `local`: single-tenant mode as the `local` tenant, no API key.
+    `chat_ui`: the handlers to use (default: new ones; the server keeps them to wait for turns in
+    flight at shutdown).
 
     Stable element ids (for users' CSS and for tests): `api-key`, `login`, `login-message`,
     `tenant-line`, `session-picker`, `refresh-sessions`, `new-title`, `new-system-prompt`,
     `new-session`, `max-new-tokens`, `temperature`, `sign-out`, `session-info`, `chat`, `message`,
     `send`, `chat-error`, `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`,
-    `prefill_tokens`, `reused_tokens`, `restored_from`, `decode_tokens_per_s`, `context_tokens`)
-    and `stats-table`.
+    `prefill_tokens`, `reused_tokens`, `restored_from` (its `data-value` is the `TurnStats` value:
+    new, device, host, disk or rebuilt), `restore_ms` (only for host and disk),
+    `decode_tokens_per_s`, `context_tokens`) and `stats-table`.
     """
-    ui = ChatUI(manager, local=local)
+    ui = chat_ui or ChatUI(manager, local=local)
     max_tokens_limit = max(1, min(2048, manager.context_budget_tokens // 2))
     with gr.Blocks(title="chatkv", analytics_enabled=False) as blocks:
         state = gr.State(ViewState())
@@ -344,7 +586,10 @@ def build_ui(manager: SessionManager, *, local: bool) -> gr.Blocks:
                     elem_id="chat",
                     feedback_options=None,
                     buttons=["copy", "copy_all"],
-                    placeholder="Pick a session or just type: a new session starts with your first message.",
+                    placeholder=(
+                        "Pick a session or just type: a new session starts with your first message. "
+                        "The clear button starts a new conversation; it deletes nothing."
+                    ),
                 )
                 with gr.Row():
                     message = gr.Textbox(
@@ -355,13 +600,18 @@ def build_ui(manager: SessionManager, *, local: bool) -> gr.Blocks:
                 stats_line = gr.HTML(elem_id="turn-stats")
                 with gr.Accordion("Turn stats", open=False):
                     stats_table = gr.Dataframe(
-                        headers=STATS_HEADERS, value=[], interactive=False, elem_id="stats-table"
+                        headers=STATS_HEADERS,
+                        value=[],
+                        interactive=False,
+                        label=STATS_TABLE_LABEL,
+                        show_label=True,
+                        elem_id="stats-table",
                     )
         components = {
             "state": state, "login_panel": login_panel, "main_panel": main_panel, "login_message": login_message,
             "api_key": api_key, "tenant_line": tenant_line, "session_picker": session_picker,
-            "session_info": session_info, "chatbot": chatbot, "message": message, "stats_line": stats_line,
-            "stats_table": stats_table, "error_line": error_line,
+            "session_info": session_info, "chatbot": chatbot, "message": message, "send_button": send,
+            "stats_line": stats_line, "stats_table": stats_table, "error_line": error_line,
         }  # fmt: skip
         outputs = [components[name] for name in View._fields]
         quick: dict[str, Any] = {"outputs": outputs, "api_visibility": "private", "show_progress": "hidden"}
@@ -410,9 +660,13 @@ def _error_html(message: str) -> str:
     return f'<div class="chatkv-error" role="alert">{html.escape(message)}</div>'
 
 
-def _session_label(info: SessionInfo) -> str:
-    name = info.title or str(info.id)
-    return f"{name} · {info.last_active_at:%Y-%m-%d %H:%M}"
+def _note_html(message: str) -> str:
+    return f'<div class="chatkv-stats">{html.escape(message)}</div>'
+
+
+def _shorten(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
 
 
 def _session_info_html(info: SessionInfo) -> str:
@@ -427,6 +681,21 @@ def _session_info_html(info: SessionInfo) -> str:
     return " · ".join(parts)
 
 
+def _source_text(stats: TurnStats) -> str:
+    """Where the turn's cache came from, in words (the stats table's "cache from")."""
+    source = stats.restored_from
+    if source == "new":
+        return "shared system prompt" if stats.base_reused_tokens else "nothing yet (first turn)"
+    if source == "rebuilt":
+        return "rebuilt from the transcript"
+    return _SOURCE_NAMES.get(source, source)
+
+
+def _restore_ms(stats: TurnStats) -> float | None:
+    """Time to bring the cache back from host memory or disk; `None` for other sources."""
+    return round(stats.restore_s * 1000, 1) if stats.restored_from in ("host", "disk") else None
+
+
 def _stats_row(turn: int, stats: TurnStats) -> StatsRow:
     rate = stats.decode_tokens / stats.decode_s if stats.decode_s > 0 else None
     return (
@@ -434,22 +703,35 @@ def _stats_row(turn: int, stats: TurnStats) -> StatsRow:
         round(stats.ttft_s * 1000, 1),
         stats.prefill_tokens,
         stats.reused_tokens,
-        stats.restored_from,
+        _source_text(stats),
+        _restore_ms(stats),
         None if rate is None else round(rate, 1),
         stats.cache_tokens,
     )
 
 
-def _stats_html(row: StatsRow) -> str:
-    """One readable line; each figure carries a `data-stat` attribute for tests and scrapers."""
-    turn, ttft_ms, prefill, reused, source, rate, context = row
+def _stats_html(turn: int, stats: TurnStats) -> str:
+    """One readable line; each figure carries a `data-stat` attribute for tests and scrapers (the
+    cache source also a `data-value` with the `TurnStats.restored_from` value)."""
+    _, ttft_ms, prefill, reused, source_text, restore_ms, rate, context = _stats_row(turn, stats)
     rate_text = "-" if rate is None else f"{rate:.1f}"
+    source = html.escape(stats.restored_from)
+    if stats.restored_from == "new" and stats.base_reused_tokens:
+        cache = "cache: the tenant's <b>shared system prompt</b>"
+    elif stats.restored_from == "new":
+        cache = "<b>no cache yet</b> (first turn)"
+    elif stats.restored_from == "rebuilt":
+        cache = "cache <b>rebuilt</b> from the transcript"
+    else:
+        cache = f"cache from <b>{html.escape(source_text)}</b>"
+    if restore_ms is not None:
+        cache += f', restored in <b data-stat="restore_ms">{restore_ms:.1f}</b> ms'
     return (
         f'<div class="chatkv-stats">Turn <b data-stat="turn">{turn}</b>'
         f' · TTFT <b data-stat="ttft_ms">{ttft_ms:.1f}</b> ms'
         f' · prefilled <b data-stat="prefill_tokens">{prefill}</b> tokens'
         f' · reused <b data-stat="reused_tokens">{reused}</b> tokens'
-        f' · cache from <b data-stat="restored_from">{html.escape(source)}</b>'
+        f' · <span data-stat="restored_from" data-value="{source}">{cache}</span>'
         f' · decode <b data-stat="decode_tokens_per_s">{rate_text}</b> tokens/s'
         f' · context <b data-stat="context_tokens">{context}</b> tokens</div>'
     )

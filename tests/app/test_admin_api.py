@@ -200,7 +200,7 @@ def test_the_cli_client_gets_the_same_answers_as_local_operations(
 ) -> None:
     tiny_manager.create_tenant("acme")
     sid = _turns(tiny_manager, "acme", "Hello")
-    remote, local = AdminClient(client), AdminOps.of(tiny_manager)
+    remote, local = AdminClient(client), AdminOps.of(tiny_manager)  # type: ignore[arg-type]  # an httpx.Client
     assert remote.list_tenants() == local.list_tenants()
     assert remote.show_tenant("acme") == local.show_tenant("acme")
     assert remote.list_sessions(tenant="acme", idle_for_s=0) == local.list_sessions(tenant="acme", idle_for_s=0)

@@ -71,7 +71,7 @@ def cli(cli_env: dict[str, str | None]) -> Cli:
 def _populate(home: Path, engine: Engine, *tenants: str, turns: int = 2) -> dict[str, str]:
     """One session with `turns` turns per tenant, made by a manager that then closes (the caches are
     persisted to disk, as after a server's shutdown). Returns tenant name -> session id."""
-    sessions = {}
+    sessions: dict[str, str] = {}
     with SessionManager(make_settings(home), engine=engine) as manager:
         for name in tenants:
             tenant = manager.create_tenant(name)
@@ -117,7 +117,10 @@ def test_tenants_create_list_show_and_rotate_api_key(cli: Cli, home: Path, tiny_
 def test_tenants_delete_asks_unless_yes(cli: Cli) -> None:
     cli.ok("tenants", "create", "acme")
     declined = cli("tenants", "delete", "acme", input="n\n")
-    assert declined.exit_code == 1 and "Delete tenant acme" in declined.stdout
+    assert declined.exit_code == 1 and "Delete tenant acme" in declined.stdout and "0 sessions" in declined.stdout
+    assert declined.stderr == "cancelled\n"
+    no_answer = cli("tenants", "delete", "acme")  # end of input at the prompt
+    assert (no_answer.exit_code, no_answer.stderr.splitlines()[-1]) == (1, "cancelled")
     assert [t["name"] for t in cli.json("tenants", "list")] == ["acme"]
     cli.ok("tenants", "delete", "acme", input="y\n")
     cli.ok("tenants", "create", "globex")
@@ -200,6 +203,10 @@ def test_sessions_inspect_show_and_export(cli: Cli, home: Path, tiny_engine: Eng
     assert cli.json("sessions", "show", sid, "--tenant", "acme") == detail  # issue 2's name for it
     plain = cli.ok("sessions", "inspect", sid, "--tenant", "acme").stdout
     assert "shared pool" in plain and "fingerprint" in plain
+    # Half-open ranges: [0, b) then [b, ...) do not read as overlapping.
+    base_end = layers[0]["positions"][1]
+    assert f"[0, {base_end})" in plain and f"[{base_end}, {layers[1]['positions'][1]})" in plain
+    assert "2 (4 messages," in plain
 
     exported = json.loads(cli.ok("sessions", "export", sid, "--tenant", "acme").stdout)
     assert exported["system_prompt"] == "You are terse."
@@ -212,10 +219,16 @@ def test_evict_drop_and_delete(cli: Cli, home: Path, tiny_engine: Engine) -> Non
     sid = _populate(home, tiny_engine, "acme")["acme"]
     refused = cli("sessions", "evict", sid, "--tenant", "acme", "--to", "host")
     assert "cannot evict from disk up to host" in assert_one_line_error(refused)
-    assert cli.ok("sessions", "evict", sid, "--tenant", "acme", "--to", "drop").stdout == f"{sid}: no cache stored\n"
+    assert cli.ok("sessions", "evict", sid, "--tenant", "acme", "--to", "drop").stdout == f"{sid}: dropped\n"
     assert [s["tier"] for s in cli.json("sessions", "list")] == [None]
     assert not list((home / "blobs").rglob(f"{sid}.ckv"))
-    cli.ok("sessions", "delete", sid, "--tenant", "acme")
+    declined = cli("sessions", "delete", sid, "--tenant", "acme", input="n\n")
+    assert declined.exit_code == 1 and declined.stderr == "cancelled\n"
+    assert f"Delete session {sid} of tenant acme, 2 turns, for good?" in declined.stdout
+    assert len(cli.json("sessions", "list")) == 1
+    assert cli.ok("sessions", "delete", sid, "--tenant", "acme", input="y\n").stdout.endswith(
+        f"deleted session {sid}\n"
+    )
     assert cli.json("sessions", "list") == []
     assert_one_line_error(cli("sessions", "export", sid, "--tenant", "acme"))
 
@@ -227,13 +240,14 @@ def test_evict_drop_and_delete(cli: Cli, home: Path, tiny_engine: Engine) -> Non
         (("sessions", "export", "s_missing", "--tenant", "acme"), "error: session not found: s_missing"),
         (("sessions", "evict", "s_missing", "--tenant", "acme", "--to", "disk"), "error: session not found"),
         (("sessions", "delete", "s_missing", "--tenant", "acme"), "error: session not found: s_missing"),
+        (("sessions", "delete", "s_missing", "--tenant", "acme", "--yes"), "error: session not found: s_missing"),
         (("sessions", "inspect", "s_x", "--tenant", "nobody"), "error: tenant not found: nobody"),
         (("tenants", "show", "nobody"), "error: tenant not found: nobody"),
         (("tenants", "delete", "nobody", "--yes"), "error: tenant not found: nobody"),
         (("tenants", "create", "bad name!"), "error: invalid tenant name"),
         (("tenants", "create", "acme"), "error: tenant exists: acme"),
-        (("sessions", "evict", "s_x", "--tenant", "acme", "--to", "nowhere"), "error: Invalid value for '--to'"),
-        (("sessions", "list", "--tier", "cloud"), "error: Invalid value for '--tier'"),
+        (("sessions", "evict", "s_x", "--tenant", "acme", "--to", "nowhere"), "error: --to must be host, disk or drop"),
+        (("sessions", "list", "--tier", "cloud"), "error: --tier must be device, host or disk"),
         (("sessions", "list", "--idle-for", "3 weeks"), "error: Invalid value for '--idle-for': not a duration"),
         (("sessions", "inspect", "s_x"), "error: Missing option '--tenant'"),
         (("sessions", "list", "--bogus"), "error: No such option: --bogus"),
@@ -251,7 +265,7 @@ def test_bad_input_exits_2_with_one_line(cli: Cli, args: tuple[str, ...], messag
 def test_another_tenants_session_is_not_found(cli: Cli, home: Path, tiny_engine: Engine) -> None:
     sessions = _populate(home, tiny_engine, "acme", "globex", turns=1)
     theirs, missing = sessions["globex"], "s_" + "0" * 24
-    for command in (("inspect",), ("export",), ("evict", "--to", "drop"), ("delete",)):
+    for command in (("inspect",), ("export",), ("evict", "--to", "drop"), ("delete", "--yes")):
         for sid in (theirs, missing):
             result = cli("sessions", command[0], sid, "--tenant", "acme", *command[1:])
             assert assert_one_line_error(result) == f"error: session not found: {sid}"
@@ -273,11 +287,17 @@ def test_missing_model_exits_1(cli: Cli, tmp_path: Path) -> None:
 
 def test_stats_and_master_key_rotation(cli: Cli, home: Path, tiny_engine: Engine) -> None:
     sid = _populate(home, tiny_engine, "acme", turns=1)["acme"]
-    stats = cli.json("stats")
+    # Offline: the tiers as stored, no turn counters (they live in a server process), no model loaded.
+    no_model = {"CHATKV_MODEL": str(home / "no-model")}
+    stats = json.loads(cli("stats", "--json", **no_model).stdout)
     assert stats["tenants"] == 1 and stats["sessions"] == 1
     assert stats["tiers"]["disk"]["sessions"] == 1 and stats["tiers"]["device"]["sessions"] == 0
-    assert stats["model_fingerprint"] == tiny_engine.fingerprint
-    assert "cache hit rate" in cli.ok("stats").stdout
+    assert stats["tiers"]["disk"]["bytes"] == sum(p.stat().st_size for p in (home / "blobs").rglob("*.ckv"))
+    assert stats["live"] is False and "prefill_tokens" not in stats and "cache_hit_rate_tokens" not in stats
+    plain = cli("stats", **no_model)
+    assert plain.exit_code == 0, plain.stderr
+    assert "cache hit rate" not in plain.stdout and "evictions" not in plain.stdout
+    assert plain.stdout.endswith("note: turn counters are kept by the running server (use --server)\n")
 
     new_key = "bmV3LW1hc3Rlci1rZXktZm9yLXRoZS10ZXN0cy0zMiE="
     rotated = cli.ok("keys", "rotate-master", "--new-key", new_key).stdout
@@ -302,7 +322,7 @@ def test_gc_deletes_sessions_past_retention(cli: Cli, home: Path, tiny_engine: E
     assert dry["dry_run"] and [s["id"] for s in dry["expired_sessions"]] == [old]
     assert len(cli.json("sessions", "list")) == 2
     report = cli("gc", **retention)
-    assert report.exit_code == 0 and "removed 1 sessions idle longer than 30d" in report.stdout
+    assert report.exit_code == 0 and "removed 1 session idle longer than 30d" in report.stdout
     assert [s["id"] for s in cli.json("sessions", "list")] == [sessions["globex"]]
     assert not list((home / "blobs").rglob(f"{old}.ckv"))
 
@@ -394,3 +414,48 @@ def locked_home(home: Path) -> Iterator[int]:
 def test_refuses_while_a_server_holds_the_home(cli: Cli, locked_home: int, args: tuple[str, ...]) -> None:
     line = assert_one_line_error(cli(*args))
     assert f"pid {locked_home}" in line and "http://127.0.0.1:7999" in line
+    if args == ("serve",):  # going through the server's admin API is no answer to serve
+        assert line == (
+            f"error: another chatkv server (pid {locked_home}, http://127.0.0.1:7999) holds this home; "
+            "stop it or use another CHATKV_HOME"
+        )
+
+
+# -- help and start-up -----------------------------------------------------------------------------
+
+
+def test_help_shows_no_value_for_flags_and_one_line_per_paragraph(cli: Cli) -> None:
+    narrow = cli("sessions", "inspect", "--help", COLUMNS="80")
+    assert narrow.exit_code == 0 and "--json" in narrow.stdout
+    assert "<bool>" not in narrow.stdout
+    for args in (("serve", "--help"), ("gc", "--help"), ("tenants", "delete", "--help"), ("--help",)):
+        assert "<bool>" not in cli(*args, COLUMNS="80").stdout, args
+    # The terminal wraps each paragraph; no source line break cuts a sentence.
+    wide = cli("sessions", "inspect", "--help", COLUMNS="400").stdout
+    assert (
+        "The layer table has one row per layer: kind (base or turn), turn, tokens, RoPE positions (a half-open" in wide
+    )
+    assert "Alias of `sessions inspect`." in cli("sessions", "show", "--help", COLUMNS="200").stdout
+
+
+def test_offline_read_only_commands_do_not_import_torch(cli_env: dict[str, str | None], home: Path) -> None:
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from app.cli import app\n"
+        "for args in (['sessions', 'list'], ['tenants', 'list'], ['stats']):\n"
+        "    result = CliRunner().invoke(app, ['--home', sys.argv[1], *args])\n"
+        "    assert result.exit_code == 0, (args, result.output)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'gradio') if m in sys.modules))\n"
+    )
+    env = {k: v for k, v in {**os.environ, **cli_env}.items() if v is not None}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(home)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).parents[2],
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[]\n"

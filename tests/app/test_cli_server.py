@@ -34,8 +34,11 @@ class Server:
     home: Path
     pid: int
     session_id: str
+    empty_session_id: str
+    """A session without turns, so without a cache."""
     env: dict[str, str]
     """The CLI's environment: the server's home, no admin token (it is read from the home)."""
+    log: Path
 
 
 def _free_port() -> int:
@@ -66,6 +69,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_
         tenant = manager.create_tenant("acme")
         session_id = manager.open_session(tenant, system_prompt="You are terse.")
         manager.chat(tenant, session_id, "Hello", max_new_tokens=6)
+        empty_session_id = manager.open_session(tenant)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_")}
     env = {
         **base_env,
@@ -82,14 +86,16 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_
         process = subprocess.Popen([str(CHATKV), "serve", "--port", str(port)], env=env, stdout=out, stderr=out)
     try:
         _wait_until_up(url, process, log)
-        yield Server(url, home, process.pid, session_id, env)
+        yield Server(url, home, process.pid, session_id, empty_session_id, env, log)
     finally:
-        process.send_signal(signal.SIGINT)  # uvicorn shuts down; `serve` closes the manager and the lock
+        process.send_signal(signal.SIGTERM)  # uvicorn shuts down; `serve` closes the manager and the lock
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    # A requested shutdown is a success; caches persisted and the lock released.
+    assert process.returncode == 0, log.read_text()
     assert not (home / "server.lock").exists(), log.read_text()
 
 
@@ -126,6 +132,32 @@ def test_the_server_generated_its_admin_token_into_its_home(server: Server) -> N
     token_file = server.home / "admin.token"
     assert token_file.stat().st_mode & 0o777 == 0o600
     assert len(token_file.read_text().strip()) >= 32
+    assert "chatkv serving" in server.log.read_text() and f"(admin token in {token_file})" in server.log.read_text()
+
+
+def test_serve_on_a_taken_port_fails_at_once(server: Server, tmp_path: Path) -> None:
+    port = server.url.rsplit(":", 1)[1]
+    started = time.monotonic()
+    taken = subprocess.run(
+        [str(CHATKV), "serve", "--port", port],
+        env={**server.env, "CHATKV_HOME": str(tmp_path / "other-home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one_line_error(taken, 1) == f"error: port {port} on 127.0.0.1 is in use (is `make run` still running?)"
+    assert time.monotonic() - started < 30  # no model was loaded
+    assert not (tmp_path / "other-home").exists()
+
+
+def test_serve_on_a_home_held_by_a_server_says_so(server: Server) -> None:
+    held = subprocess.run(
+        [str(CHATKV), "serve", "--port", str(_free_port())], env=server.env, capture_output=True, text=True, timeout=120
+    )
+    assert one_line_error(held, 2) == (
+        f"error: another chatkv server (pid {server.pid}, {server.url}) holds this home; "
+        "stop it or use another CHATKV_HOME"
+    )
 
 
 def test_evicting_a_hot_session_frees_the_servers_device(server: Server) -> None:
@@ -142,13 +174,16 @@ def test_evicting_a_hot_session_frees_the_servers_device(server: Server) -> None
     assert before[("chatkv_tier_sessions", frozenset({("tier", "device")}))] == 1
 
     assert ok(server, "sessions", "evict", sid, "--tenant", "acme", "--to", "disk") == f"{sid}: disk\n"
+    empty = server.empty_session_id
+    nothing = ok(server, "sessions", "restore", empty, "--tenant", "acme")
+    assert nothing == f"{empty}: nothing stored; the next turn rebuilds it from the transcript\n"
     assert tier() == "disk"
     after = metrics(server)
     assert after[("chatkv_tier_sessions", frozenset({("tier", "device")}))] == 0
     assert after[("chatkv_tier_sessions", frozenset({("tier", "disk")}))] == 1
     moves = "chatkv_evictions_total"
-    assert after[(moves, frozenset({("source", "device"), ("target", "host")}))] == 1
-    assert after[(moves, frozenset({("source", "host"), ("target", "disk")}))] == 1
+    # The version restored from disk is still stored there: the eviction goes straight to disk.
+    assert after[(moves, frozenset({("source", "device"), ("target", "disk")}))] == 1
     detail = as_json(server, "sessions", "inspect", sid, "--tenant", "acme")
     assert detail["session"]["tier"] == "disk" and [row["turn_index"] for row in detail["layers"]] == [None, 0]
 
@@ -165,6 +200,8 @@ def test_admin_commands_through_the_server(server: Server) -> None:
     assert exported["messages"][0]["text"] == "Hello"
     stats = as_json(server, "stats")
     assert stats["tenants"] >= 2 and set(stats["tiers"]) == {"device", "host", "disk"}
+    assert stats["live"] is True and stats["prefill_tokens"] >= 0
+    assert "cache hit rate" in ok(server, "stats") and "note:" not in ok(server, "stats")
     assert as_json(server, "gc", "--dry-run")["expired_sessions"] == []
 
     assert "deleted tenant globex" in ok(server, "tenants", "delete", "globex", "--yes")
@@ -178,7 +215,7 @@ def test_errors_through_the_server_are_one_line(server: Server) -> None:
     wrong = chatkv(server, "--admin-token", "wrong", "tenants", "list")
     assert one_line_error(wrong, 2) == "error: missing or wrong admin token"
     bad_flag = chatkv(server, "sessions", "evict", server.session_id, "--tenant", "acme", "--to", "moon")
-    assert "Invalid value for '--to'" in one_line_error(bad_flag, 2)
+    assert one_line_error(bad_flag, 2) == "error: --to must be host, disk or drop"
     closed = subprocess.run(
         [str(CHATKV), "--server", f"http://127.0.0.1:{_free_port()}", "tenants", "list"],
         env=server.env,

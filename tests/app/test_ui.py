@@ -4,21 +4,23 @@ model, a real SQLite file and real encryption."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
 
 from app.server import build_app
-from app.ui import LOCAL_TENANT, UNKNOWN_KEY_MESSAGE, ChatUI, View, ViewState, _error_html
+from app.ui import EMPTY_KEY_MESSAGE, LOCAL_TENANT, UNKNOWN_KEY_MESSAGE, ChatUI, View, ViewState, _error_html
 from sessions.manager import SessionManager
 
 UNKNOWN_KEY_HTML = _error_html(UNKNOWN_KEY_MESSAGE)
 
 
 def _stat(view: View, name: str) -> str:
-    match = re.search(rf'data-stat="{name}">([^<]*)<', view.stats_line)
+    """A figure of the stats line: its `data-value` if it has one, else its text."""
+    match = re.search(rf'data-stat="{name}"(?: data-value="([^"]*)")?>([^<]*)<', view.stats_line)
     assert match, view.stats_line
-    return match.group(1)
+    return match.group(1) if match.group(1) is not None else match.group(2)
 
 
 def _send(ui: ChatUI, state: ViewState, message: str, max_new_tokens: int = 6) -> list[View]:
@@ -50,12 +52,14 @@ def test_wrong_and_unknown_keys_get_the_same_answer(tiny_manager: SessionManager
     assert ui.on_load(ViewState()).main_panel["visible"] is False
     wrong_secret = key[: key.rindex("_") + 1] + "not-the-secret"
     unknown_tenant = "ckv_tn_00000000000000ff_" + key[key.rindex("_") + 1 :]
-    for bad in (wrong_secret, unknown_tenant, "hello", ""):
+    for bad in (wrong_secret, unknown_tenant, "hello"):
         view = ui.login(bad, ViewState())
         assert view.login_message == UNKNOWN_KEY_HTML, bad
         assert view.state == ViewState()
         assert view.main_panel["visible"] is False
         assert view.api_key == ""
+    for empty in ("", "   "):
+        assert ui.login(empty, ViewState()).login_message == _error_html(EMPTY_KEY_MESSAGE)
     view = ui.login(f"  {key} ", ViewState())
     assert view.state.tenant == acme
     assert view.login_message == ""
@@ -79,7 +83,7 @@ def test_a_tenant_key_never_reaches_another_tenants_sessions(tiny_manager: Sessi
     assert missing.error_line == _error_html("session not found: s_000000000000000000000000")
     assert foreign.state == state
     assert foreign.chatbot == {"__type__": "update"}
-    views = _send(ui, ViewState(tenant=acme, session_id=beta_sid), "hi")
+    views = _send(ui, replace(state, session_id=beta_sid), "hi")
     assert [v.error_line for v in views][-1] == _error_html(f"session not found: {beta_sid}")
     assert tiny_manager.history(beta, beta_sid) == []
 
@@ -100,7 +104,7 @@ def test_two_turns_stream_and_the_second_reuses_the_cache(tiny_manager: SessionM
     first = _send(ui, state, "Hello there")
     # Without an open session a new one is started, shown in the picker, and the box is cleared.
     assert first[0].chatbot == [{"role": "user", "content": "Hello there"}]
-    assert first[0].message == ""
+    assert first[0].message["value"] == ""
     sid = first[0].state.session_id
     assert sid is not None and _choice_ids(first[0]) == [sid]
     assert len(first) >= 3  # the opening view, at least one streamed piece, the final view
@@ -165,7 +169,7 @@ def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: Sess
         r'<div class="chatkv-error" role="alert">message too long: needs \d+ tokens of context, the limit is \d+</div>',
         too_long.error_line,
     )
-    assert too_long.message == "hi"  # given back to the user to edit
+    assert too_long.message["value"] == "hi"  # given back to the user to edit
     assert too_long.chatbot == []
     assert tiny_manager.history(LOCAL_TENANT, state.session_id) == []
 
@@ -233,9 +237,155 @@ def test_clearing_the_chat_leaves_the_session_and_the_next_message_starts_anothe
     assert first_sid is not None
     left = ui.leave_session(chatted.state)
     assert left.state == ViewState(tenant=chatted.state.tenant)
+    assert "previous one is kept in the Session list" in left.session_info
     assert (left.chatbot, left.session_picker["value"]) == ([], None)
     again = _send(ui, left.state, "second")[-1]
     second_sid = again.state.session_id
     assert second_sid is not None and second_sid != first_sid
     assert len(tiny_manager.history(LOCAL_TENANT, first_sid)) == 2
     assert sorted(_choice_ids(again)) == sorted([first_sid, second_sid])
+
+
+# -- the key is checked on every event -------------------------------------------------------------
+
+
+def test_rotating_or_deleting_the_api_key_signs_the_tab_out(tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    ui = ChatUI(tiny_manager, local=False)
+    old_key = tiny_manager.issue_api_key(acme)
+    state = ui.new_session("plans", "", ui.login(old_key, ViewState()).state).state
+    sid = state.session_id
+    assert sid is not None and state.api_key == old_key
+    assert old_key not in repr(state)  # the key stays out of logs and tracebacks
+
+    new_key = tiny_manager.issue_api_key(acme)  # what `chatkv tenants rotate-api-key acme` does
+    events = {
+        "refresh": lambda: [ui.refresh_sessions(state)],
+        "select": lambda: [ui.select_session(sid, state)],
+        "new session": lambda: [ui.new_session("more plans", "", state)],
+        "clear": lambda: [ui.leave_session(state)],
+        "send": lambda: _send(ui, state, "hi"),
+    }
+    for name, event in events.items():
+        [view] = event()
+        assert view.state == ViewState(), name
+        assert view.login_message == UNKNOWN_KEY_HTML, name
+        assert view.main_panel["visible"] is False and view.login_panel["visible"] is True, name
+        assert (view.chatbot, view.session_picker["choices"], view.tenant_line) == ([], [], ""), name
+    assert [info.title for info in tiny_manager.list_sessions(acme)] == ["plans"]  # nothing was created
+    assert tiny_manager.history(acme, sid) == []  # nothing was sent
+
+    fresh = ui.login(new_key, ViewState()).state
+    assert ui.refresh_sessions(fresh).state == fresh
+    tiny_manager.delete_tenant(acme)  # a deleted tenant's tab is signed out the same way
+    gone = ui.refresh_sessions(fresh)
+    assert gone.state == ViewState() and gone.login_message == UNKNOWN_KEY_HTML
+
+
+# -- turns run to completion in a worker thread ----------------------------------------------------
+
+
+def test_a_turn_completes_and_is_stored_when_its_tab_goes_away(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    stream = ui.send("Hello there", 32, 0.0, ui.on_load(ViewState()).state)
+    opening = next(stream)
+    sid = opening.state.session_id
+    assert sid is not None
+    first_piece = next(stream)
+    partial = first_piece.chatbot[-1]["content"]
+    assert first_piece.chatbot[-1]["role"] == "assistant" and partial
+    stream.close()  # the tab was reloaded or closed: Gradio closes the generator
+
+    assert ui.wait_for_turns(timeout_s=120)
+    [user, assistant] = tiny_manager.history(LOCAL_TENANT, sid)
+    assert user.text == "Hello there"
+    assert assistant.text.startswith(partial)
+    control = tiny_manager.open_session(LOCAL_TENANT)  # greedy: the whole reply, as if the tab had stayed
+    assert assistant.text == tiny_manager.chat(LOCAL_TENANT, control, "Hello there", max_new_tokens=32).text
+
+
+def test_send_and_the_message_box_are_disabled_while_a_reply_streams(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    views = _send(ui, ui.on_load(ViewState()).state, "Hello there")
+    assert views[0].message == {"__type__": "update", "value": "", "interactive": False}
+    assert views[0].send_button == {"__type__": "update", "interactive": False}
+    for streamed in views[1:-1]:  # left as they are (disabled) while pieces arrive
+        assert streamed.message == streamed.send_button == {"__type__": "update"}
+    assert views[-1].message["interactive"] is True and views[-1].send_button["interactive"] is True
+
+    failed = _send(ui, views[-1].state, "again", max_new_tokens=100_000)
+    assert failed[0].send_button["interactive"] is False
+    assert "too long" in failed[-1].error_line
+    assert failed[-1].message == {"__type__": "update", "value": "again", "interactive": True}
+    assert failed[-1].send_button["interactive"] is True
+
+
+# -- sessions in the picker ------------------------------------------------------------------------
+
+
+def test_a_failed_first_turn_deletes_the_session_it_started(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    views = _send(ui, state, "hi", max_new_tokens=100_000)
+    started = views[0].state.session_id
+    assert started is not None and _choice_ids(views[0]) == [started]
+    failed = views[-1]
+    assert "message too long" in failed.error_line
+    assert failed.state == state  # no session open
+    assert failed.session_picker["choices"] == []
+    assert tiny_manager.list_sessions(LOCAL_TENANT) == []
+    # A session the user opened is kept when its turn fails (test_manager_errors_become_one_line...).
+
+
+def test_untitled_sessions_are_labelled_by_their_first_message(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    first = "Tell me   about the\nhistory of the Roman Empire in great detail"
+    chatted = _send(ui, ui.on_load(ViewState()).state, first)[-1]
+    chatted = _send(ui, chatted.state, "And Greece?")[-1]
+    empty = ui.new_session("", "", chatted.state)
+    titled = ui.new_session("Trip", "", empty.state)
+    labels = {sid: label for label, sid in titled.session_picker["choices"]}
+    assert labels[str(chatted.state.session_id)].startswith("Tell me about the history of the Roman… · ")
+    assert labels[str(empty.state.session_id)].startswith("(empty) · ")
+    assert labels[str(titled.state.session_id)].startswith("Trip · ")
+    no_longer_empty = _send(ui, empty.state, "Hi")[-1]
+    names = {sid: label.split(" · ")[0] for label, sid in no_longer_empty.session_picker["choices"]}
+    assert names[str(empty.state.session_id)] == "Hi"
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def test_stats_say_where_the_cache_came_from(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.new_session("", "You are terse.", ui.on_load(ViewState()).state).state
+    one = _send(ui, state, "Hello")[-1]
+    assert _stat(one, "restored_from") == "new" and _stat(one, "reused_tokens") == "0"
+    assert "no cache yet</b> (first turn)" in one.stats_line
+    assert "restore_ms" not in one.stats_line
+    assert one.stats_table[-1][4:6] == ["nothing yet (first turn)", None]
+
+    # Another session with the same system prompt reuses the tenant's shared prefix on its first turn.
+    other = ui.new_session("", "You are terse.", one.state).state
+    two = _send(ui, other, "Hi")[-1]
+    assert _stat(two, "restored_from") == "new" and int(_stat(two, "reused_tokens")) > 0
+    assert "shared system prompt" in two.stats_line
+    assert two.stats_table[-1][4] == "shared system prompt"
+
+    assert other.session_id is not None
+    tiny_manager.evict_session(LOCAL_TENANT, other.session_id, "disk")
+    three = _send(ui, two.state, "More")[-1]
+    assert _stat(three, "restored_from") == "disk"
+    assert "cache from <b>disk</b>, restored in" in three.stats_line
+    restore_ms = float(_stat(three, "restore_ms"))
+    assert restore_ms > 0 and three.stats_table[-1][4:6] == ["disk", restore_ms]
+    assert [row[0] for row in three.stats_table] == [1, 2]
+
+
+def test_opening_a_session_says_stats_cover_this_page_visit(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    done = _send(ui, ui.on_load(ViewState()).state, "Remember me")[-1]
+    reopened = ui.select_session(done.state.session_id, ui.on_load(ViewState()).state)
+    assert "this page visit" in reopened.stats_line and reopened.stats_table == []
+    empty = ui.new_session("", "", reopened.state).state
+    assert ui.select_session(empty.session_id, empty).stats_line == ""
