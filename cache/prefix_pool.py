@@ -43,6 +43,7 @@ class PrefixPool:
 
     def __init__(self) -> None:
         self._entries: OrderedDict[PrefixKey, _Entry] = OrderedDict()
+        self._dropped: set[PrefixKey] = set()
         self._lock = threading.Lock()
 
     def get(self, key: PrefixKey) -> BaseLayer | None:
@@ -75,6 +76,8 @@ class PrefixPool:
     def release(self, key: PrefixKey) -> None:
         with self._lock:
             entry = self._entries.get(key)
+            if entry is None and key in self._dropped:
+                return  # its tenant was deleted while a turn held the reference
             if entry is None or entry.refs <= 0:
                 raise RuntimeError(f"bug: unref of base {key} without a reference")
             entry.refs -= 1
@@ -99,9 +102,11 @@ class PrefixPool:
             return entry.base
 
     def drop_tenant(self, tenant_id: TenantId) -> None:
+        """Remove a deleted tenant's entries, referenced or not; later releases of them are no-ops."""
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.tenant_id == tenant_id]:
                 del self._entries[key]
+                self._dropped.add(key)
 
     def nbytes(self, tenant_id: TenantId | None = None) -> int:
         with self._lock:

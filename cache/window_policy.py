@@ -21,6 +21,10 @@ import torch
 from cache.rope import rotate_keys
 from cache.session_cache import LayerSpan, SessionCache
 
+MIN_TURN_TOKENS = 64
+"""Room the window keeps beside the system prompt and pinned turns: a short message and reply.
+Pins (and system prompts) that would take it are refused, so a session never becomes unusable."""
+
 
 class ContextOverflow(Exception):
     """Even with every unpinned turn demoted, the turn does not fit the window."""

@@ -31,7 +31,7 @@ from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
 from cache.tier_manager import Lease, LeaseHeld, TierBudgets, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
-from cache.window_policy import WindowPolicy
+from cache.window_policy import MIN_TURN_TOKENS, WindowPolicy
 from sessions.chat_template import ChatTemplate, PastTurn
 from sessions.engine import Engine
 from sessions.errors import (
@@ -67,8 +67,6 @@ _API_KEY_PREFIX = "ckv_"
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
 MAX_CACHED_TRANSCRIPTS = 4096
-MIN_TURN_TOKENS = 64
-"""Room a session must leave beside its system prompt: a short message and a short reply."""
 
 
 @dataclass(frozen=True)
@@ -256,6 +254,7 @@ class SessionManager:
                 del self._transcripts[key]
         self.metadata.delete_tenant(tenant_id=tenant_id)
         secure_erase_freed_pages(self._db)
+        self.tiers.forget_tenant(tenant_id)  # a turn that committed in between
         self.disk_store.remove_tenant_folder(tenant_id)
 
     def issue_api_key(self, tenant: TenantRef) -> str:
@@ -368,31 +367,47 @@ class SessionManager:
         return [_message(record) for record in records]
 
     def delete_session(self, tenant: TenantRef, session_id: str) -> None:
+        """Delete the session: caches in every tier first (so no eviction can write a blob row for
+        it meanwhile), then its rows. A turn in flight on it fails with `SessionNotFound`."""
         tenant_id = self._tenant_id(tenant)
-        if not self.metadata.delete_session(tenant_id=tenant_id, session_id=str(session_id)):
-            raise SessionNotFound(str(session_id))
-        self.tiers.forget(CacheKey(tenant_id, str(session_id)))
+        record = self._session_record(tenant_id, session_id)
+        self.tiers.forget(CacheKey(tenant_id, record.id))
         with self._lock:
-            self._transcripts.pop((tenant_id, SessionId(str(session_id))), None)
+            self._transcripts.pop((tenant_id, SessionId(record.id)), None)
+        if not self.metadata.delete_session(tenant_id=tenant_id, session_id=record.id):
+            raise SessionNotFound(str(session_id))
+        self.tiers.forget(CacheKey(tenant_id, record.id))  # a turn that finished in between
 
     def pin_turn(self, tenant: TenantRef, session_id: str, turn_index: int) -> None:
         """Promote turn `turn_index` (0-based) into the base layer: it is never demoted.
 
         Raises:
-            InvalidInput: if there is no such turn, or it was already demoted out of the window.
+            InvalidInput: if there is no such turn, it was already demoted out of the window, or
+                the pinned content would leave less than `MIN_TURN_TOKENS` of the window.
         """
         tenant_id = self._tenant_id(tenant)
         record = self._session_record(tenant_id, session_id)
-        transcript = self._transcript(tenant_id, SessionId(record.id), record)
-        if not isinstance(turn_index, int) or not 0 <= turn_index < len(transcript.turns):
-            raise InvalidInput(f"no turn {turn_index!r}: the session has {len(transcript.turns)} turns")
-        cache = self.tiers.peek(CacheKey(tenant_id, record.id))
-        if cache is not None and all(span.turn_index != turn_index for span in cache.layers):
-            raise InvalidInput(f"turn {turn_index} was demoted out of the context window; it cannot be pinned")
-        transcript.pinned.add(turn_index)
-        self.metadata.set_pinned_turns(
-            tenant_id=tenant_id, session_id=record.id, pinned_turns=sorted(transcript.pinned)
-        )
+        turns = record.message_count // 2
+        if isinstance(turn_index, bool) or not isinstance(turn_index, int) or not 0 <= turn_index < turns:
+            raise InvalidInput(f"no turn {turn_index!r}: the session has {turns} turns")
+        key = CacheKey(tenant_id, record.id)
+        cache = self.tiers.peek(key) or self._open_stored(key)
+        if cache is not None:
+            spans = [span for span in cache.layers if span.turn_index == turn_index]
+            if not spans:
+                raise InvalidInput(f"turn {turn_index} was demoted out of the context window; it cannot be pinned")
+            pinned = sum(s.token_count for s in cache.layers if s.pinned or s.turn_index == turn_index)
+            if cache.base_tokens + pinned + MIN_TURN_TOKENS > self.context_budget_tokens:
+                raise InvalidInput(
+                    f"pinning turn {turn_index} would leave less than {MIN_TURN_TOKENS} tokens of the "
+                    f"{self.context_budget_tokens}-token window for the conversation"
+                )
+        pinned_turns = sorted({*record.pinned_turns, turn_index})
+        self.metadata.set_pinned_turns(tenant_id=tenant_id, session_id=record.id, pinned_turns=pinned_turns)
+        with self._lock:
+            cached = self._transcripts.get((tenant_id, SessionId(record.id)))
+            if cached is not None:
+                cached.pinned.add(turn_index)
 
     def inspect_session(self, tenant: TenantRef, session_id: str) -> SessionDetail:
         """Session, layer table and cache placement (a host or disk cache is opened to read it)."""
@@ -576,6 +591,16 @@ class SessionManager:
             raise SessionNotFound(session_id) from None
         transcript.turns.append(PastTurn(message, reply.text, reply.token_ids))
         transcript.token_count = outcome.token_count
+        if outcome.unpinned_turn is not None:
+            transcript.pinned.discard(outcome.unpinned_turn)
+            self.metadata.set_pinned_turns(
+                tenant_id=tenant_id, session_id=session_id, pinned_turns=sorted(transcript.pinned)
+            )
+        with self._lock:
+            # The turn held the session's lease; its transcript is the current one even if the
+            # bounded cache dropped it meanwhile.
+            self._transcripts[(tenant_id, session_id)] = transcript
+            self._transcripts.move_to_end((tenant_id, session_id))
         s = reply.stats
         self.metrics.record_turn(
             tenant_id, s.prefill_tokens, s.reused_tokens, s.decode_tokens, s.ttft_s, s.restored_from

@@ -25,7 +25,14 @@ from cache.prefix_pool import prefix_key
 from cache.session_cache import LayerKind, LayerSpan, SessionCache
 from cache.tier_manager import Lease, TierManager
 from cache.tiers import Tier
-from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation, kept_layers
+from cache.window_policy import (
+    MIN_TURN_TOKENS,
+    ContextOverflow,
+    WindowPlan,
+    WindowPolicy,
+    demote_by_rotation,
+    kept_layers,
+)
 from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence
 from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine
@@ -69,6 +76,9 @@ class TurnOutcome:
     cache: SessionCache
     user_token_ids: tuple[int, ...]
     token_count: int
+    unpinned_turn: int | None = None
+    """A turn due to be pinned (`pin_first_turn`) that was left unpinned: pinning it would have
+    left less than `MIN_TURN_TOKENS` of the window."""
 
 
 class TurnRunner:
@@ -323,6 +333,11 @@ class TurnRunner:
         appended = (*prepared.prefill, *generated[:-1])
         spans = list(prepared.spans)
         spans[-1] = replace(spans[-1], token_count=prepared.new_turn_prefill + len(generated) - 1)
+        unpinned = None
+        if spans[-1].pinned and not self._pins_leave_room(prepared.cache, spans):
+            unpinned = spans[-1].turn_index
+            spans[-1] = replace(spans[-1], kind=LayerKind.TURN)
+            log.warning("turn %s is not pinned: it would leave no room in the window", unpinned)
         cache = prepared.cache.after_turn(working, appended, spans)
         finish: FinishReason = "stop" if generated and generated[-1] in engine.stop_token_ids else "length"
         stats = TurnStats(
@@ -338,7 +353,15 @@ class TurnRunner:
             cache_tokens=cache.total_tokens,
         )
         reply = Reply(text=detokenizer.text, token_ids=tuple(generated), stats=stats, finish_reason=finish)
-        yield TurnOutcome(reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1)
+        yield TurnOutcome(
+            reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1, unpinned
+        )
+
+    def _pins_leave_room(self, cache: SessionCache, spans: Sequence[LayerSpan]) -> bool:
+        first_new = spans[0].original_start
+        layers = [s for s in cache.layers if s.original_start < first_new] + list(spans)
+        pinned = sum(s.token_count for s in layers if s.pinned)
+        return cache.base_tokens + pinned + MIN_TURN_TOKENS <= self.window.budget_tokens
 
 
 @dataclass(frozen=True)

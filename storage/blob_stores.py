@@ -116,11 +116,13 @@ class DiskBlobStore(Generic[K]):
         return self.root / _check_name(key.tenant_id) / (_check_name(key.name) + BLOB_SUFFIX)
 
     def put(self, key: K, blob: bytes) -> None:
+        """Write atomically and record the row; if the owning session or tenant is gone, the file
+        is removed again and the store does not hold the key."""
         path = self.path_for(key)
         with self._lock:
             write_atomic(path, blob)
             session_id = None if key.name.startswith("base-") else key.name
-            self._metadata.put_blob(
+            recorded = self._metadata.put_blob(
                 tenant_id=key.tenant_id,
                 session_id=session_id,
                 name=key.name,
@@ -130,6 +132,12 @@ class DiskBlobStore(Generic[K]):
                 checksum=hashlib.sha256(blob).hexdigest(),
                 model_fingerprint=self._fingerprint,
             )
+            if not recorded:
+                # Its session or tenant was deleted meanwhile: the blob is not wanted any more.
+                path.unlink(missing_ok=True)
+                self._sizes.pop(key, None)
+                log.debug("dropped blob %s/%s: its owner is gone", key.tenant_id, key.name)
+                return
             self._sizes[key] = len(blob)
 
     def get(self, key: K) -> bytes:

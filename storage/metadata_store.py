@@ -295,35 +295,48 @@ class MetadataStore:
         Returns the index of the first appended message. Raises `KeyError` if the session does not
         exist for this tenant (deleted while the turn ran).
         """
-        with self._unit() as db:
-            row = db.scalars(
-                select(SessionRow)
-                .where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
-                .with_for_update()
-            ).first()
-            if row is None:
-                raise KeyError(session_id)
-            start = db.scalar(
-                select(func.coalesce(func.max(MessageRow.index) + 1, 0)).where(MessageRow.session_id == session_id)
-            )
-            now = utcnow()
-            for offset, (role, text, ids) in enumerate(messages):
-                db.add(
-                    MessageRow(
-                        session_id=session_id,
-                        index=int(start or 0) + offset,
-                        role=role,
-                        text=text,
-                        token_ids=[int(i) for i in ids],
-                        created_at=now,
-                    )
+        now = utcnow()
+        values: dict[str, object] = {
+            "token_count": token_count,
+            "model_fingerprint": model_fingerprint,
+            "last_active_at": now,
+        }
+        if ttft_s is not None:
+            values["last_ttft_s"] = ttft_s
+        try:
+            with self._unit() as db:
+                # A conditional UPDATE first: it takes the row's write lock on every backend (SQLite
+                # ignores FOR UPDATE) and tells whether the session still exists for this tenant.
+                updated = db.execute(
+                    update(SessionRow)
+                    .where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+                    .values(**values)
                 )
-            row.token_count = token_count
-            row.model_fingerprint = model_fingerprint
-            row.last_active_at = now
-            if ttft_s is not None:
-                row.last_ttft_s = ttft_s
-            return int(start or 0)
+                if not getattr(updated, "rowcount", 0):
+                    raise KeyError(session_id)
+                start = int(
+                    db.scalar(
+                        select(func.coalesce(func.max(MessageRow.index) + 1, 0)).where(
+                            MessageRow.session_id == session_id
+                        )
+                    )
+                    or 0
+                )
+                for offset, (role, text, ids) in enumerate(messages):
+                    db.add(
+                        MessageRow(
+                            session_id=session_id,
+                            index=start + offset,
+                            role=role,
+                            text=text,
+                            token_ids=[int(i) for i in ids],
+                            created_at=now,
+                        )
+                    )
+                db.flush()
+                return start
+        except IntegrityError as exc:  # the session was deleted between the update and the insert
+            raise KeyError(session_id) from exc
 
     def set_pinned_turns(self, *, tenant_id: str, session_id: str, pinned_turns: Sequence[int]) -> None:
         with self._unit() as db:
@@ -346,23 +359,28 @@ class MetadataStore:
         nbytes: int,
         checksum: str,
         model_fingerprint: str,
-    ) -> None:
-        """Insert or replace the row of blob `(tenant_id, name)`."""
-        with self._unit() as db:
-            db.execute(delete(CacheBlobRow).where(CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name))
-            db.add(
-                CacheBlobRow(
-                    tenant_id=tenant_id,
-                    session_id=session_id,
-                    name=name,
-                    tier=tier,
-                    path=path,
-                    nbytes=nbytes,
-                    checksum=checksum,
-                    model_fingerprint=model_fingerprint,
-                    created_at=utcnow(),
+    ) -> bool:
+        """Insert or replace the row of blob `(tenant_id, name)`. Returns `False` (and writes
+        nothing) if its tenant or session no longer exists."""
+        try:
+            with self._unit() as db:
+                db.execute(delete(CacheBlobRow).where(CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name))
+                db.add(
+                    CacheBlobRow(
+                        tenant_id=tenant_id,
+                        session_id=session_id,
+                        name=name,
+                        tier=tier,
+                        path=path,
+                        nbytes=nbytes,
+                        checksum=checksum,
+                        model_fingerprint=model_fingerprint,
+                        created_at=utcnow(),
+                    )
                 )
-            )
+        except IntegrityError:
+            return False
+        return True
 
     def delete_blob(self, *, tenant_id: str, name: str) -> None:
         with self._unit() as db:

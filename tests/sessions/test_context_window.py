@@ -171,3 +171,33 @@ def test_model_with_a_non_composable_rope_uses_the_reprefill_path(tmp_path: Path
         assert demoted > 0
         cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
         assert cache is not None and cache.total_tokens <= 120
+
+
+def test_pins_that_would_leave_no_room_are_refused_so_a_session_stays_usable(
+    tmp_path: Path, tiny_engine: Engine
+) -> None:
+    settings = make_settings(tmp_path / "home", context_budget_tokens=300, pin_first_turn=True)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant)
+        manager.chat(tenant, sid, "word " * 230, max_new_tokens=4)  # turn 0 would eat the window
+        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == ()
+        assert manager.chat(tenant, sid, "hi", max_new_tokens=1).stats.restored_from == "device"
+        manager.pin_turn(tenant, sid, 1)  # a short turn fits
+        manager.chat(tenant, sid, "word " * 200, max_new_tokens=4)
+        with pytest.raises(InvalidInput, match="leave less than"):
+            manager.pin_turn(tenant, sid, 2)
+        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == (1,)
+        assert manager.chat(tenant, sid, "still usable?", max_new_tokens=2).stats.cache_tokens <= 300
+
+
+def test_pin_checks_a_cache_that_is_not_on_the_device_too(tmp_path: Path, tiny_engine: Engine) -> None:
+    with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=120), engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant)
+        for turn in range(6):
+            manager.chat(tenant, sid, f"message {turn} " + "x " * 10, max_new_tokens=8)
+        manager.evict_session(tenant, sid, "host")
+        with pytest.raises(InvalidInput, match="demoted"):
+            manager.pin_turn(tenant, sid, 0)
+        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == ()

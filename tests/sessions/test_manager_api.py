@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from cache.tiers import Tier
 from sessions.errors import (
     ContextTooLong,
     InvalidInput,
@@ -220,3 +222,94 @@ def test_the_database_file_is_readable_by_its_owner_only(tiny_manager: SessionMa
     tiny_manager.chat(tenant, tiny_manager.open_session(tenant), "private words", max_new_tokens=2)
     for path in tiny_manager.settings.home.glob("chatkv.db*"):
         assert path.stat().st_mode & 0o077 == 0, path
+
+
+def test_deleting_a_tenant_during_its_turn_fails_that_turn_with_session_not_found(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant, system_prompt="You are terse.")
+    tiny_manager.chat(tenant, sid, "hello", max_new_tokens=4)
+    stream = tiny_manager.stream_chat(tenant, sid, "second turn", max_new_tokens=8, temperature=1.0, seed=3)
+    next(stream)
+    tiny_manager.delete_tenant(tenant)
+    with pytest.raises(SessionNotFound):
+        list(stream)
+    assert len(tiny_manager.tiers.pool) == 0
+    assert tiny_manager.tiers.usage().sessions[Tier.DEVICE] == 0
+
+
+def test_deleting_a_session_while_another_sessions_turn_evicts_it_is_clean(tmp_path, tiny_engine) -> None:  # type: ignore[no-untyped-def]
+    """Budget enforcement at the end of another session's turn must not write a blob row for a
+    session that is being deleted (that used to fail the other turn with an IntegrityError)."""
+    from tests.conftest import make_settings
+
+    settings = make_settings(
+        tmp_path / "home", persist="on_evict", device_budget_bytes=30_000, host_budget_bytes=40_000
+    )
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        x, y = manager.open_session(tenant), manager.open_session(tenant)
+        manager.chat(tenant, x, "hello there", max_new_tokens=4)
+        manager.evict_session(tenant, x, "host")
+        forget = manager.tiers.forget
+        replies = []
+
+        def forget_with_a_turn_in_between(key):  # type: ignore[no-untyped-def]
+            if key.name == x and not replies:
+                replies.append(manager.chat(tenant, y, "a message on another session " * 20, max_new_tokens=8))
+            forget(key)
+
+        manager.tiers.forget = forget_with_a_turn_in_between  # type: ignore[method-assign]
+        manager.delete_session(tenant, x)
+        assert replies and len(manager.history(tenant, y)) == 2
+        assert x not in [b.session_id for b in manager.metadata.list_blobs()]
+        with pytest.raises(SessionNotFound):
+            manager.history(tenant, x)
+
+
+def test_a_session_deleted_while_its_turn_is_being_recorded_is_serialised_with_it(
+    tiny_manager: SessionManager,
+) -> None:
+    """The turn's transaction takes the session row's write lock first, so a concurrent delete waits
+    for it: the turn is stored and returned, then the session is deleted (no half state, and no
+    untyped error from the database)."""
+    from sqlalchemy import event
+
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    tiny_manager.chat(tenant, sid, "first", max_new_tokens=3)
+    threads: list[threading.Thread] = []
+
+    def delete_in_between(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if statement.lstrip().startswith("SELECT coalesce(max(messages") and not threads:
+            threads.append(threading.Thread(target=lambda: tiny_manager.delete_session(tenant, sid)))
+            threads[0].start()
+
+    event.listen(tiny_manager._db, "after_cursor_execute", delete_in_between)
+    try:
+        reply = tiny_manager.chat(tenant, sid, "second", max_new_tokens=3)
+    finally:
+        event.remove(tiny_manager._db, "after_cursor_execute", delete_in_between)
+    threads[0].join(timeout=30)
+    assert reply.stats.restored_from == "device"
+    with pytest.raises(SessionNotFound):
+        tiny_manager.history(tenant, sid)
+    assert tiny_manager.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
+
+
+def test_a_turn_whose_transcript_left_the_bounded_cache_is_still_recorded_in_memory(
+    tiny_manager: SessionManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sessions.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "MAX_CACHED_TRANSCRIPTS", 1)
+    tenant = tiny_manager.create_tenant("acme")
+    sid, other = tiny_manager.open_session(tenant), tiny_manager.open_session(tenant)
+    tiny_manager.chat(tenant, sid, "My name is Bob.", max_new_tokens=4)
+    stream = tiny_manager.stream_chat(tenant, sid, "I live in Paris.", max_new_tokens=8, temperature=1.0, seed=1)
+    next(stream)
+    tiny_manager.chat(tenant, other, "push the first transcript out", max_new_tokens=2)
+    tiny_manager.pin_turn(tenant, sid, 0)
+    list(stream)
+    third = tiny_manager.chat(tenant, sid, "Where do I live?", max_new_tokens=4)
+    assert third.stats.restored_from == "device"  # the cache matched the transcript: no rebuild
+    assert tiny_manager.session_info(tenant, sid).token_count == third.stats.cache_tokens
