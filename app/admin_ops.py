@@ -23,7 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
-from sessions.settings import Settings
+from sessions.settings import MAX_DURATION_S, Settings
 from storage.database import make_engine, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
@@ -142,8 +142,8 @@ class AdminOps:
         at least `idle_for_s` seconds."""
         if tier is not None and tier not in TIERS:
             raise InvalidInput(f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
-        if idle_for_s is not None and not idle_for_s >= 0:
-            raise InvalidInput(f"idle_for_s must be >= 0, got {idle_for_s}")
+        if idle_for_s is not None and not 0 <= idle_for_s <= MAX_DURATION_S:
+            raise InvalidInput(f"idle_for_s must be between 0 and 100 years in seconds, got {idle_for_s}")
         tenant_id = None if tenant is None else self._tenant(tenant).id
         idle_before = None if idle_for_s is None else datetime.now(UTC) - timedelta(seconds=idle_for_s)
         names = {t.id: t.name for t in self.metadata.list_tenants()}

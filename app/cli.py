@@ -127,6 +127,8 @@ class _OneLineErrors(_Group):
             _fail(f"the server cannot be reached: {exc}", 1)
         except httpx.HTTPError as exc:  # timeouts, dropped connections
             _fail(f"the request to the server failed: {exc}", 1)
+        except UnicodeError:
+            _fail("arguments must be valid UTF-8 text", 2)
         except OSError as exc:
             _fail(str(exc), 1)
         sys.exit(code if isinstance(code, int) else 0)
@@ -223,6 +225,10 @@ def _domain_errors() -> Iterator[None]:
         raise CLIError(f"key ring: {exc}", 1) from None
     except OperationalError as exc:
         raise CLIError(f"database: {exc.orig}", 1) from None
+    except UnicodeError:  # an argument with bytes that are not UTF-8 (the shell passed them through)
+        raise CLIError("arguments must be valid UTF-8 text", 2) from None
+    except ValueError as exc:  # settings or a database URL that cannot work
+        raise CLIError(str(exc), 2) from None
 
 
 def _load_manager(settings: Settings) -> SessionManager:

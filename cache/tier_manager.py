@@ -294,7 +294,9 @@ class TierManager:
         return self._sealer.open_session(key, blob)
 
     def evict(self, key: CacheKey, target: Tier | None) -> Tier | None:
-        """Move an idle session's cache down to `target` (`None`: drop it). Returns the new tier.
+        """Move an idle session's cache down to `target` (`None`: drop it), then enforce the budgets
+        (an over-full host moves its least recently used sessions, possibly this one, to disk).
+        Returns the tier the cache ends in.
 
         Raises:
             LeaseHeld: if a turn is in flight on the session.
@@ -311,6 +313,7 @@ class TierManager:
                 raise ValueError(f"cannot evict from {entry.tier} up to {target}; restore happens on the next turn")
             while entry.tier is not None and entry.tier != target:
                 self._move_down(entry, drop=target is None, skip_host=target is not Tier.HOST)
+            self.enforce_budgets()
             return entry.tier
 
     def forget(self, key: CacheKey) -> None:

@@ -41,6 +41,8 @@ def rotate_master_key(manager: SessionManager, new_master_key: str | None) -> st
         if current.from_env:
             raise InvalidInput("the master key comes from CHATKV_MASTER_KEY: pass the new key explicitly")
         raw = secrets.token_bytes(KEY_BYTES)
+    elif not isinstance(new_master_key, str):
+        raise InvalidInput("the new master key must be a base64 string of 32 bytes")
     else:
         try:
             raw = parse_master_key(new_master_key)

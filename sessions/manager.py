@@ -38,6 +38,7 @@ from sessions.errors import (
     ContextTooLong,
     HomeLocked,
     InvalidInput,
+    ModelUnavailable,
     SessionBusy,
     SessionNotFound,
     TenantExists,
@@ -231,6 +232,8 @@ class SessionManager:
         if isinstance(tenant, Tenant):
             record = self.metadata.get_tenant(tenant_id=tenant.id)
         elif isinstance(tenant, str):
+            if not _valid_id(tenant):
+                raise TenantNotFound(repr(tenant))
             record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_ID_PREFIX_TENANT) else None
             record = record or self.metadata.get_tenant(name=tenant)
         else:
@@ -268,7 +271,8 @@ class SessionManager:
     def tenant_for_api_key(self, api_key: str) -> Tenant:
         """The tenant an API key belongs to. Raises `TenantNotFound` for any wrong or unknown key
         (the same error and message either way)."""
-        match = re.fullmatch(rf"{_API_KEY_PREFIX}({_ID_PREFIX_TENANT}[0-9a-f]+)_([A-Za-z0-9_-]+)", api_key or "")
+        text = api_key if isinstance(api_key, str) else ""
+        match = re.fullmatch(rf"{_API_KEY_PREFIX}({_ID_PREFIX_TENANT}[0-9a-f]+)_([A-Za-z0-9_-]+)", text)
         record = self.metadata.get_tenant(tenant_id=match.group(1)) if match else None
         secret = match.group(2) if match else ""
         salt = record.api_key_salt if record and record.api_key_salt else b"\0" * 16
@@ -304,10 +308,10 @@ class SessionManager:
                 context window for the conversation.
         """
         tenant_id = self._tenant_id(tenant)
-        if system_prompt is not None and (not isinstance(system_prompt, str) or len(system_prompt) > MAX_MESSAGE_CHARS):
-            raise InvalidInput("system_prompt must be a string of at most 1,000,000 characters")
-        if title is not None and (not isinstance(title, str) or len(title) > MAX_TITLE_CHARS):
-            raise InvalidInput(f"title must be a string of at most {MAX_TITLE_CHARS} characters")
+        if system_prompt is not None:
+            _check_text(system_prompt, "system_prompt")
+        if title is not None:
+            _check_text(title, "title", MAX_TITLE_CHARS)
         if system_prompt:
             # The system prompt is pinned in every turn's window; leave room for a short turn.
             needed = len(self.template.system_prefix_ids(system_prompt)) + MIN_TURN_TOKENS
@@ -330,6 +334,8 @@ class SessionManager:
         return CacheKey(self._tenant_id(tenant), str(session_id))
 
     def _session_record(self, tenant_id: TenantId, session_id: str) -> SessionRecord:
+        if not _valid_id(session_id):
+            raise SessionNotFound(repr(session_id))
         record = self.metadata.get_session(tenant_id=tenant_id, session_id=str(session_id))
         if record is None:
             raise SessionNotFound(str(session_id))
@@ -361,7 +367,7 @@ class SessionManager:
 
     def history(self, tenant: TenantRef, session_id: str) -> list[Message]:
         tenant_id = self._tenant_id(tenant)
-        records = self.metadata.messages(tenant_id=tenant_id, session_id=str(session_id))
+        records = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) if _valid_id(session_id) else None
         if records is None:
             raise SessionNotFound(str(session_id))
         return [_message(record) for record in records]
@@ -522,10 +528,9 @@ class SessionManager:
             ContextTooLong: the message plus `max_new_tokens` cannot fit the context window.
         """
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        if not isinstance(message, str) or not message.strip():
+        _check_text(message, "message")
+        if not message.strip():
             raise InvalidInput("message must be a non-empty string")
-        if len(message) > MAX_MESSAGE_CHARS:
-            raise InvalidInput(f"message longer than {MAX_MESSAGE_CHARS} characters")
         tenant_id = self._tenant_id(tenant)
         record = self._session_record(tenant_id, session_id)
         sid = SessionId(record.id)
@@ -665,9 +670,39 @@ class SessionManager:
         }
 
 
+def _check_text(value: object, what: str, max_chars: int = MAX_MESSAGE_CHARS) -> None:
+    """Raises `InvalidInput` unless `value` is a string of valid Unicode text (no lone surrogates,
+    which cannot be encoded) of at most `max_chars` characters."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise InvalidInput(f"{what} longer than {max_chars:,} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{what} is not valid Unicode text (it contains a lone surrogate)") from None
+
+
+def _valid_id(value: object) -> bool:
+    """Ids and names reach the database: anything that is not encodable text is simply not found."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _resolve_device(device: str) -> str:
+    """The torch device for a `Settings.device` value. Raises `ModelUnavailable` for an
+    accelerator this machine does not have."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelUnavailable(f"device {device!r} asked for, but CUDA is not available on this machine")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ModelUnavailable("device 'mps' asked for, but MPS is not available on this machine")
     return device
 
 

@@ -5,6 +5,7 @@ Nucleus sampling as in Holtzman et al., "The Curious Case of Neural Text Degener
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,16 +27,26 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidInput(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise InvalidInput(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise InvalidInput(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise InvalidInput(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
 
 
 class Sampler:
@@ -54,7 +65,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self._generator is None:
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.float().cpu() / self._params.temperature, dim=-1)
+        # Subtracting the maximum first keeps a tiny temperature from overflowing to inf - inf.
+        work = logits.detach().to(dtype=torch.float64, device="cpu")
+        probs = torch.softmax((work - work.max()) / self._params.temperature, dim=-1)
         if self._params.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest set whose mass reaches top_p: a token stays if the mass before it

@@ -34,6 +34,7 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -46,12 +47,20 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+MAX_DURATION_S = 100 * 365 * 86400.0
+"""Durations beyond a century are refused: they overflow timestamp arithmetic and mean 'never'."""
+
+
 def parse_duration_s(text: str) -> float:
-    """Parse `"90"`, `"30m"`, `"12h"`, `"7d"` into seconds. Raises `ValueError` naming the bad value."""
+    """Parse `"90"`, `"30m"`, `"12h"`, `"7d"` into seconds (at most 100 years). Raises `ValueError`
+    naming the bad value."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdSMHD]?)\s*", text)
     if match is None:
         raise ValueError(f"not a duration: {text!r} (examples: 90, 30m, 12h, 7d)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"duration too long: {text!r} (at most 100 years)")
+    return seconds
 
 
 def _total_memory_bytes() -> int:
@@ -138,8 +147,10 @@ class Settings:
             raise ValueError(f"context_budget_tokens must be >= 16, got {self.context_budget_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.session_retention_s is not None and self.session_retention_s <= 0:
-            raise ValueError(f"session_retention_s must be > 0, got {self.session_retention_s}")
+        if self.session_retention_s is not None and not 0 < self.session_retention_s <= MAX_DURATION_S:
+            raise ValueError(f"session_retention_s must be in (0, 100 years], got {self.session_retention_s}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         self._derive_budgets()
 
     def _derive_budgets(self) -> None:

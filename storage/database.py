@@ -43,7 +43,10 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(parsed, connect_args={"timeout": 30, "check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(parsed, pool_pre_ping=True)
+    try:
+        return create_engine(parsed, pool_pre_ping=True)
+    except ImportError as exc:  # the URL names a backend whose driver is not installed
+        raise ValueError(f"no database driver for {parsed.drivername!r} installed: {exc}") from exc
 
 
 def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:

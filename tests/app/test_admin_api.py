@@ -213,3 +213,10 @@ def test_the_cli_client_gets_the_same_answers_as_local_operations(
     with pytest.raises(AdminRequestFailed) as odd:
         remote.inspect_session("acme", "a/b")  # percent-encoded: stays one path segment, reaches no route
     assert odd.value.status == 404
+
+
+@pytest.mark.parametrize("idle", ["1e11", "1e300", "inf", "-1", "nan"])
+def test_an_absurd_idle_duration_is_a_4xx_not_a_500(client: TestClient, idle: str) -> None:
+    response = client.get(f"/admin/sessions?idle_for_s={idle}")
+    assert 400 <= response.status_code < 500
+    assert "error" in response.json()

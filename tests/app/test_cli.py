@@ -255,6 +255,13 @@ def test_evict_drop_and_delete(cli: Cli, home: Path, tiny_engine: Engine) -> Non
         (("serve", "--port", "0"), "error: Invalid value for '--port'"),
         (("keys", "rotate-master"), "error: the master key comes from CHATKV_MASTER_KEY"),
         (("keys", "rotate-master", "--new-key", "c2hvcnQ="), "error: the master key must be 32 bytes"),
+        (
+            ("sessions", "list", "--idle-for", "99999999999d"),
+            "error: Invalid value for '--idle-for': duration too long",
+        ),
+        (("tenants", "show", "a\udcff"), "error: "),
+        (("sessions", "export", "a\udcff", "--tenant", "acme"), "error: "),
+        (("sessions", "list", "--tenant", "a\udcff"), "error: "),
     ],
 )
 def test_bad_input_exits_2_with_one_line(cli: Cli, args: tuple[str, ...], message: str) -> None:
@@ -275,6 +282,10 @@ def test_another_tenants_session_is_not_found(cli: Cli, home: Path, tiny_engine:
 def test_bad_settings_exit_2(cli: Cli) -> None:
     result = cli("tenants", "list", CHATKV_HOST_BUDGET_BYTES="lots")
     assert "CHATKV_HOST_BUDGET_BYTES" in assert_one_line_error(result)
+    assert "device must be" in assert_one_line_error(cli("tenants", "create", "x", CHATKV_DEVICE="foo"))
+    assert "not a database URL" in assert_one_line_error(cli("tenants", "list", CHATKV_DATABASE_URL="notaurl"))
+    assert "no database driver" in assert_one_line_error(cli("tenants", "list", CHATKV_DATABASE_URL="mysql://u@h/db"))
+    assert "too long" in assert_one_line_error(cli("gc", "--dry-run", CHATKV_SESSION_RETENTION_S="99999999999d"))
 
 
 def test_missing_model_exits_1(cli: Cli, tmp_path: Path) -> None:

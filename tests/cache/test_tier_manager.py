@@ -593,3 +593,17 @@ def test_forget_during_a_lease_releases_at_its_end(make_rig) -> None:
         rig.tiers.forget(key)
     assert rig.tiers.placement(key) is None
     assert rig.tiers.pool.refs(base.key) == 0
+
+
+def test_explicit_evictions_keep_the_host_within_budget(make_rig) -> None:
+    rig = make_rig()
+    keys = [session_key(A, n) for n in range(3)]
+    add_rows(rig, *keys)
+    blob_bytes = len(rig.tiers._sealer.seal_session(keys[0], make_cache(0)))
+    rig.tiers.budgets = budgets(host=2 * blob_bytes + 100)
+    for n, key in enumerate(keys):
+        turn(rig.tiers, key, make_cache(n))
+    for key in keys:
+        rig.tiers.evict(key, Tier.HOST)
+        assert rig.tiers.usage().bytes[Tier.HOST] <= rig.tiers.budgets.host_bytes
+    assert placements(rig.tiers, keys) == [Tier.DISK, Tier.HOST, Tier.HOST]

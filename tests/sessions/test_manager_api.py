@@ -313,3 +313,77 @@ def test_a_turn_whose_transcript_left_the_bounded_cache_is_still_recorded_in_mem
     third = tiny_manager.chat(tenant, sid, "Where do I live?", max_new_tokens=4)
     assert third.stats.restored_from == "device"  # the cache matched the transcript: no rebuild
     assert tiny_manager.session_info(tenant, sid).token_count == third.stats.cache_tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": "0.5"},
+        {"temperature": None},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"temperature": True},
+        {"top_p": "a"},
+        {"seed": "abc"},
+        {"seed": 1.5},
+        {"seed": 2**70},
+        {"seed": -1},
+        {"max_new_tokens": 2.0},
+        {"max_new_tokens": True},
+    ],
+)
+def test_sampling_parameters_of_the_wrong_type_are_invalid_input(tiny_manager: SessionManager, kwargs: dict) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    with pytest.raises(InvalidInput):
+        tiny_manager.chat(tenant, sid, "hi", **kwargs)
+    assert tiny_manager.history(tenant, sid) == []
+
+
+def test_a_tiny_positive_temperature_samples_without_overflow(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    greedy = tiny_manager.chat(tenant, tiny_manager.open_session(tenant), "hi", max_new_tokens=4)
+    cold = tiny_manager.chat(tenant, sid, "hi", max_new_tokens=4, temperature=1e-45, seed=0)
+    assert cold.token_ids == greedy.token_ids  # the limit of sampling as the temperature goes to 0
+
+
+def test_text_that_is_not_valid_unicode_and_ids_of_the_wrong_type_are_typed_errors(
+    tiny_manager: SessionManager,
+) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    with pytest.raises(InvalidInput, match="message"):
+        tiny_manager.chat(tenant, sid, "hi \ud800")
+    with pytest.raises(InvalidInput, match="system_prompt"):
+        tiny_manager.open_session(tenant, system_prompt="\udcff")
+    with pytest.raises(InvalidInput, match="title"):
+        tiny_manager.open_session(tenant, title="\udcff")
+    with pytest.raises(SessionNotFound):
+        tiny_manager.history(tenant, "s_\udcff")
+    with pytest.raises(SessionNotFound):
+        tiny_manager.history(tenant, 12345)  # type: ignore[arg-type]
+    with pytest.raises(TenantNotFound):
+        tiny_manager.get_tenant("a\udcff")
+    for key in (12345, b"ckv_tn_00_x", None, "ckv_\udcff"):
+        with pytest.raises(TenantNotFound):
+            tiny_manager.tenant_for_api_key(key)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        tiny_manager.rotate_master_key(123)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        tiny_manager.pin_turn(tenant, sid, True)  # type: ignore[arg-type]
+    assert tiny_manager.history(tenant, sid) == []
+
+
+def test_an_accelerator_this_machine_lacks_is_a_typed_error(tmp_path, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from sessions.errors import ModelUnavailable
+    from tests.conftest import make_settings
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the error path is for machines without it")
+    with pytest.raises(ModelUnavailable, match="CUDA is not available"):
+        SessionManager(make_settings(tmp_path / "home", device="cuda", model=str(tiny_model_dir)))
+    with pytest.raises(ValueError, match="device must be"):
+        make_settings(tmp_path / "home", device="tpu")
