@@ -54,7 +54,7 @@ from sessions.turns import Transcript, TurnOutcome, TurnRunner
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, secure_erase_freed_pages, upgrade
-from storage.home_lock import HomeLockedError, check_unlocked
+from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import TenantKeys, load_master_key
 from storage.metadata_store import AlreadyExists, MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
@@ -96,12 +96,22 @@ class SessionManager:
 
     def __init__(self, settings: Settings | None = None, *, engine: Engine | None = None) -> None:
         self.settings = settings = settings or Settings.from_env()
+        settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._home_lock = HomeLock(settings.home)
         try:
-            # Start-up migrates and reconciles the stores: never on a home a live server owns.
-            check_unlocked(settings.home)
+            # Start-up migrates and reconciles the stores: never on a home another process owns.
+            self._home_lock.acquire()
         except HomeLockedError as exc:
             raise HomeLocked(str(exc)) from None
-        settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        started = False
+        try:
+            self._start(settings, engine)
+            started = True
+        finally:
+            if not started:  # a failed start (bad model, bad settings) must not keep the home
+                self._home_lock.release()
+
+    def _start(self, settings: Settings, engine: Engine | None) -> None:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self._db = make_engine(settings.resolved_database_url)
@@ -180,9 +190,12 @@ class SessionManager:
         if self._closed:
             return
         self._closed = True
-        self.tiers.persist_all()
-        self.tiers.close()
-        self._db.dispose()
+        try:
+            self.tiers.persist_all()
+            self.tiers.close()
+            self._db.dispose()
+        finally:
+            self._home_lock.release()
 
     def flush(self) -> None:
         """Wait until the background write-back has stored every finished turn's cache on disk."""

@@ -174,7 +174,7 @@ def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: Sess
     assert tiny_manager.history(LOCAL_TENANT, state.session_id) == []
 
     title = ui.new_session("x" * 201, "", state)
-    assert title.error_line == _error_html("title must be a string of at most 200 characters")
+    assert title.error_line == _error_html("title longer than 200 characters")
     assert title.state == state
 
     empty = _send(ui, state, "   ")

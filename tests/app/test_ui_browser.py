@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -200,6 +201,18 @@ def test_second_turn_in_the_browser_reuses_the_cache(chromium: Path, local_serve
     assert not (server.home / "server.lock").exists()
 
 
+def fill_once_hydrated(page: Any, box: Any, text: str) -> None:
+    """Fill `box` and make sure the text stays: the input is visible before the page's scripts
+    take it over, and their start-up resets a value typed earlier (a test types far sooner than a
+    person)."""
+    for _ in range(50):
+        box.fill(text)
+        page.wait_for_timeout(200)
+        if box.input_value() == text:
+            return
+    raise AssertionError("the API key box never kept its text")
+
+
 def test_the_page_asks_for_a_key_and_shows_only_that_tenants_sessions(
     chromium: Path, keyed_server: tuple[Server, dict[str, str]]
 ) -> None:
@@ -213,8 +226,8 @@ def test_the_page_asks_for_a_key_and_shows_only_that_tenants_sessions(
             key_box.wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
             assert not page.locator("#message textarea").is_visible()
 
-            key_box.fill(keys["acme"][:-4] + "AAAA")
-            page.locator("#login").click()
+            fill_once_hydrated(page, key_box, keys["acme"][:-4] + "AAAA")
+            key_box.press("Enter")
             page.locator("#login-message .chatkv-error").wait_for(timeout=TURN_TIMEOUT_MS)
             assert page.locator("#login-message").inner_text().strip() == "unknown API key"
 

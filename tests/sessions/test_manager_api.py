@@ -387,3 +387,38 @@ def test_an_accelerator_this_machine_lacks_is_a_typed_error(tmp_path, tiny_model
         SessionManager(make_settings(tmp_path / "home", device="cuda", model=str(tiny_model_dir)))
     with pytest.raises(ValueError, match="device must be"):
         make_settings(tmp_path / "home", device="tpu")
+
+
+def test_an_embedded_manager_holds_its_home_against_other_processes(tmp_path, tiny_engine, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Two processes on one home would each keep their own transcript in memory and corrupt the
+    session; the second is refused while the first runs, whether it is a server or embedded."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import MASTER_KEY, MODEL_CACHE, REPO, make_settings
+
+    home = tmp_path / "home"
+    script = (
+        "from sessions import SessionManager, Settings\n"
+        "try:\n"
+        "    SessionManager(Settings.from_env())\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    env = {
+        **os.environ,
+        "CHATKV_HOME": str(home),
+        "CHATKV_MODEL": str(tiny_model_dir),
+        "CHATKV_MODEL_CACHE_DIR": str(MODEL_CACHE),
+        "CHATKV_MASTER_KEY": MASTER_KEY,
+        "PYTHONPATH": str(REPO),
+    }
+    with (
+        SessionManager(make_settings(home), engine=tiny_engine),
+        SessionManager(make_settings(home), engine=tiny_engine),
+    ):
+        assert (home / "server.lock").exists()  # one process may hold a home several times
+        other = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert other.stdout.startswith("HomeLocked"), other.stdout + other.stderr
+    assert not (home / "server.lock").exists()  # the last holder released it
