@@ -95,6 +95,7 @@ def session_cache_to_tensors(
         "layers": [span.to_json() for span in layers],
         "precision": precision,
         "lossy_ranges": lossy_ranges,
+        "transcript_digest": cache.transcript_digest,
     }
     return tensors, header
 
@@ -164,6 +165,7 @@ def _session_cache_from_tensors(
         own_values=tuple(values),
         own_token_ids=own_ids,
         layers=tuple(LayerSpan.from_json(span) for span in header["layers"]),
+        transcript_digest=str(header.get("transcript_digest", "")),
     )
 
 

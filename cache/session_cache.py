@@ -132,6 +132,9 @@ class SessionCache:
     own_token_ids: tuple[int, ...]
     layers: tuple[LayerSpan, ...]
     base: BaseLayer | None = field(default=None, compare=False)
+    transcript_digest: str = ""
+    """Digest of the transcript this cache was computed from (see `sessions.turns`); a cache is
+    used only for the transcript it matches, so an edited message can never reuse a stale KV."""
 
     def __post_init__(self) -> None:
         if sum(span.token_count for span in self.layers) != len(self.own_token_ids):
@@ -228,6 +231,7 @@ class SessionCache:
         working: WorkingCache,
         appended_token_ids: Sequence[int],
         spans: Sequence[LayerSpan],
+        transcript_digest: str | None = None,
     ) -> SessionCache:
         """The cache after a turn appended `appended_token_ids` to `working`.
 
@@ -250,6 +254,7 @@ class SessionCache:
             own_values=own_values,
             own_token_ids=self.own_token_ids + tuple(appended_token_ids),
             layers=(*kept, *spans),
+            transcript_digest=self.transcript_digest if transcript_digest is None else transcript_digest,
         )
 
     def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:

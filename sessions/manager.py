@@ -607,8 +607,7 @@ class SessionManager:
             )
         except KeyError:
             raise SessionNotFound(session_id) from None
-        transcript.turns.append(PastTurn(message, reply.text, reply.token_ids))
-        transcript.token_count = outcome.token_count
+        transcript.append(PastTurn(message, reply.text, reply.token_ids), outcome.token_count)
         if outcome.unpinned_turn is not None:
             transcript.pinned.discard(outcome.unpinned_turn)
             self.metadata.set_pinned_turns(
@@ -631,9 +630,8 @@ class SessionManager:
                 self._transcripts.move_to_end((tenant_id, session_id))
                 return cached
         messages = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) or []
-        transcript = Transcript(
-            record.system_prompt, _past_turns(messages), set(record.pinned_turns), record.token_count
-        )
+        turns = _past_turns(messages, self.engine.tokenizer, len(self.engine.tokenizer))
+        transcript = Transcript(record.system_prompt, turns, set(record.pinned_turns), record.token_count)
         with self._lock:
             kept = self._transcripts.setdefault((tenant_id, session_id), transcript)
             while len(self._transcripts) > MAX_CACHED_TRANSCRIPTS:
@@ -730,14 +728,21 @@ def _message(record: MessageRecord) -> Message:
     )
 
 
-def _past_turns(messages: list[MessageRecord]) -> list[PastTurn]:
+def _past_turns(messages: list[MessageRecord], tokenizer: Any, vocab_size: int) -> list[PastTurn]:
+    """Completed turns of a transcript. A reply whose stored ids are missing or out of the
+    vocabulary (an edited row) is re-tokenised from its text, with a warning, so the session stays
+    usable; its cache then no longer matches and is rebuilt."""
     turns = []
     pending_user: MessageRecord | None = None
     for record in messages:
         if record.role == "user":
             pending_user = record
         elif record.role == "assistant" and pending_user is not None:
-            turns.append(PastTurn(pending_user.text, record.text, record.token_ids))
+            ids = record.token_ids
+            if not ids or not all(0 <= i < vocab_size for i in ids):
+                log.warning("message %d has unusable token ids; re-tokenising its text", record.index)
+                ids = tuple(tokenizer.encode(record.text, add_special_tokens=False))
+            turns.append(PastTurn(pending_user.text, record.text, ids))
             pending_user = None
     return turns
 

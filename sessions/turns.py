@@ -15,6 +15,7 @@ Either way the window policy first demotes the oldest unpinned turns if the turn
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -57,6 +58,32 @@ class Transcript:
     turns: list[PastTurn] = field(default_factory=list)
     pinned: set[int] = field(default_factory=set)
     token_count: int = 0
+    digest: str = ""
+    """Chained digest of the system prompt and every turn (`transcript_digest`)."""
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            digest = transcript_digest("", None, self.system_prompt)
+            for turn in self.turns:
+                digest = transcript_digest(digest, turn, None)
+            self.digest = digest
+
+    def append(self, turn: PastTurn, token_count: int) -> None:
+        self.turns.append(turn)
+        self.token_count = token_count
+        self.digest = transcript_digest(self.digest, turn, None)
+
+
+def transcript_digest(previous: str, turn: PastTurn | None, system_prompt: str | None) -> str:
+    """SHA-256 chain over the transcript: the system prompt first, then each turn's texts and
+    exact reply ids. A cache records the digest of the transcript it was computed from."""
+    digest = hashlib.sha256(previous.encode())
+    if turn is None:
+        digest.update(b"system\0" + (b"\1" + system_prompt.encode() if system_prompt is not None else b"\0"))
+    else:
+        digest.update(b"turn\0" + turn.user_text.encode() + b"\0" + turn.assistant_text.encode() + b"\0")
+        digest.update(",".join(str(i) for i in turn.assistant_ids).encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -142,16 +169,21 @@ class TurnRunner:
             prepared = replace(prepared, base_computed=restored.base_prefill_tokens)
         else:
             prepared = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
-        yield from self._generate(prepared, transcript, params, started, source, restored.seconds)
+        yield from self._generate(prepared, transcript, user_text, params, started, source, restored.seconds)
 
     # -- reuse ---------------------------------------------------------------------------------
 
     def _matches(self, cache: SessionCache, transcript: Transcript) -> bool:
-        """A restored cache is used only if it ends where the transcript does."""
+        """A restored cache is used only if it was computed from exactly this transcript (an
+        edited message, or a cache older than the last stored turn, does not match)."""
         if not transcript.turns or not cache.layers:
             return False
         last = cache.layers[-1]
-        return cache.next_original_index == transcript.token_count and last.turn_index == len(transcript.turns) - 1
+        return (
+            cache.transcript_digest == transcript.digest
+            and cache.next_original_index == transcript.token_count
+            and last.turn_index == len(transcript.turns) - 1
+        )
 
     def _plan_reuse(self, transcript: Transcript, user_text: str) -> TurnPlan | None:
         try:
@@ -304,6 +336,7 @@ class TurnRunner:
         self,
         prepared: _Prepared,
         transcript: Transcript,
+        user_text: str,
         params: SamplingParams,
         started: float,
         source: RestoreSource,
@@ -338,7 +371,9 @@ class TurnRunner:
             unpinned = spans[-1].turn_index
             spans[-1] = replace(spans[-1], kind=LayerKind.TURN)
             log.warning("turn %s is not pinned: it would leave no room in the window", unpinned)
-        cache = prepared.cache.after_turn(working, appended, spans)
+        turn = PastTurn(user_text, detokenizer.text, tuple(generated))
+        digest = transcript_digest(transcript.digest, turn, None)
+        cache = prepared.cache.after_turn(working, appended, spans, transcript_digest=digest)
         finish: FinishReason = "stop" if generated and generated[-1] in engine.stop_token_ids else "length"
         stats = TurnStats(
             prefill_tokens=len(prepared.prefill) + prepared.base_computed,

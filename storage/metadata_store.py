@@ -75,6 +75,14 @@ class BlobRecord:
     created_at: datetime
 
 
+def _token_ids(value: object) -> tuple[int, ...]:
+    """Stored token ids as a tuple; a row edited into something else reads as no ids (the caller
+    then treats the message's ids as missing rather than failing on every turn)."""
+    if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return tuple(value)
+    return ()
+
+
 def _tenant(row: TenantRow) -> TenantRecord:
     return TenantRecord(
         id=row.id,
@@ -274,7 +282,7 @@ class MetadataStore:
                     index=r.index,
                     role=r.role,
                     text=r.text,
-                    token_ids=tuple(r.token_ids),
+                    token_ids=_token_ids(r.token_ids),
                     created_at=r.created_at,
                 )
                 for r in rows

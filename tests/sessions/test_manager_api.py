@@ -422,3 +422,31 @@ def test_an_embedded_manager_holds_its_home_against_other_processes(tmp_path, ti
         other = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
         assert other.stdout.startswith("HomeLocked"), other.stdout + other.stderr
     assert not (home / "server.lock").exists()  # the last holder released it
+
+
+@pytest.mark.parametrize("corrupt", [[1_000_000_000], [-3], "abc", None, [1, 2, 3]])
+def test_an_edited_token_ids_row_neither_breaks_the_session_nor_reuses_a_stale_cache(
+    tmp_path, tiny_engine, corrupt: object
+) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import update
+
+    from storage.schema import MessageRow
+    from tests.conftest import make_settings
+
+    home = tmp_path / "home"
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant)
+        manager.chat(tenant, sid, "hello", max_new_tokens=6)
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        with manager.metadata.engine.begin() as connection:
+            connection.execute(
+                update(MessageRow)
+                .where(MessageRow.session_id == sid, MessageRow.role == "assistant")
+                .values(token_ids=corrupt)
+            )
+        assert len(manager.history("acme", sid)) == 2
+        reply = manager.chat("acme", sid, "and now?", max_new_tokens=4)
+        assert reply.stats.restored_from == "rebuilt"  # the stored cache was of another transcript
+        again = manager.chat("acme", sid, "once more", max_new_tokens=4)
+        assert again.stats.restored_from == "device"
