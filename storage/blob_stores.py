@@ -175,12 +175,15 @@ class DiskBlobStore(Generic[K]):
             return sum(self._sizes.values())
 
     def reconcile(self) -> list[K]:
-        """Make folder and table agree; return the keys of valid blobs, oldest first.
+        """Make folder and table agree; return the keys of usable blobs, oldest first.
 
-        Removes temp files left by a crash, files without a row (orphans), rows whose file is
-        missing or has another size, and blobs of another model fingerprint (invalidated). A file
-        whose size differs from its row (truncated, replaced) or a row pointing outside the folder
-        is logged as a warning: like a blob that fails authentication, it is never used.
+        Removes temp files left by a crash, rows whose file is missing, blobs of another model
+        fingerprint (invalidated), and files that belong to no existing session or tenant. A file
+        whose size disagrees with its row (a write interrupted between the rename and the row
+        update, or a tampered file), or a session's file without a row (interrupted before its
+        first row), is kept with a corrected row: its AES-GCM tag decides when it is next used,
+        and a blob that does not authenticate is rejected and counted then. A row pointing outside
+        the folder is dropped and counted in `damaged_at_start`.
         """
         with self._lock:
             rows = {(r.tenant_id, r.name): r for r in self._metadata.list_blobs()}
@@ -189,12 +192,12 @@ class DiskBlobStore(Generic[K]):
             kept: list[K] = []
             for (tenant_id, name), row in rows.items():
                 key = self._key_factory(tenant_id, name)
-                problem = self._row_problem(row.path, row.nbytes, row.model_fingerprint)
+                problem = self._row_problem(row.path, row.model_fingerprint)
                 if problem is not None:
-                    benign = problem in ("another model", "file missing")
-                    self.damaged_at_start += 0 if benign else 1
+                    harmless = problem in ("another model", "file missing")
+                    self.damaged_at_start += 0 if harmless else 1
                     log.log(
-                        logging.INFO if benign else logging.WARNING,
+                        logging.INFO if harmless else logging.WARNING,
                         "invalidating disk blob %s/%s: %s",
                         tenant_id,
                         name,
@@ -204,17 +207,58 @@ class DiskBlobStore(Generic[K]):
                         self.path_for(key).unlink()
                     self._metadata.delete_blob(tenant_id=tenant_id, name=name)
                     continue
-                self._sizes[key] = row.nbytes
+                size = (self.root / row.path).stat().st_size
+                if size != row.nbytes:
+                    log.info(
+                        "disk blob %s/%s holds %d bytes, its row says %d (an interrupted write, or "
+                        "tampering): kept until it is authenticated",
+                        tenant_id,
+                        name,
+                        size,
+                        row.nbytes,
+                    )
+                    self._record(key, self.root / row.path)
+                self._sizes[key] = size
                 kept.append(key)
             known = {self.root / r.path for r in rows.values()}
-            for path in self.root.rglob("*"):
-                if path.is_file() and (path.name.startswith(TEMP_PREFIX) or path not in known):
-                    log.info("removing orphan file %s", path)
-                    path.unlink(missing_ok=True)
+            for path in sorted(self.root.rglob("*")):
+                if not path.is_file() or path in known:
+                    continue
+                orphan = self._orphan_key(path)
+                if orphan is not None and self._record(orphan, path):
+                    log.info("adopting disk blob %s without a row (an interrupted first write)", path)
+                    self._sizes[orphan] = path.stat().st_size
+                    kept.append(orphan)
+                    continue
+                log.info("removing orphan file %s", path)
+                path.unlink(missing_ok=True)
             return kept
 
-    def _row_problem(self, relative: str, nbytes: int, fingerprint: str) -> str | None:
-        """Why a `cache_blobs` row cannot be used, or `None`."""
+    def _orphan_key(self, path: Path) -> K | None:
+        """The key of a file without a row, if it is a blob of an existing tenant's folder."""
+        if path.name.startswith(TEMP_PREFIX) or path.suffix != BLOB_SUFFIX or path.parent.parent != self.root:
+            return None
+        tenant_id, name = path.parent.name, path.stem
+        if not _SAFE_NAME.fullmatch(tenant_id) or not _SAFE_NAME.fullmatch(name):
+            return None
+        return self._key_factory(tenant_id, name)
+
+    def _record(self, key: K, path: Path) -> bool:
+        """Write the row of an existing file (its size and checksum as they are now)."""
+        data = path.read_bytes()
+        return self._metadata.put_blob(
+            tenant_id=key.tenant_id,
+            session_id=None if key.name.startswith("base-") else key.name,
+            name=key.name,
+            tier="disk",
+            path=str(path.relative_to(self.root)),
+            nbytes=len(data),
+            checksum=hashlib.sha256(data).hexdigest(),
+            model_fingerprint=self._fingerprint,
+        )
+
+    def _row_problem(self, relative: str, fingerprint: str) -> str | None:
+        """Why a `cache_blobs` row cannot be used at all, or `None`."""
         path = self.root / relative
         if fingerprint != self._fingerprint:
             return "another model"
@@ -222,9 +266,6 @@ class DiskBlobStore(Generic[K]):
             return f"its path {relative!r} leaves the blob folder"
         if not path.is_file():
             return "file missing"
-        size = path.stat().st_size
-        if size != nbytes:
-            return f"the file holds {size} bytes, its row says {nbytes} (truncated or replaced)"
         return None
 
     def remove_tenant_folder(self, tenant_id: str) -> None:

@@ -116,10 +116,13 @@ def test_reconcile_makes_folder_and_table_agree(tmp_path: Path, rows: MetadataSt
 
     restarted = disk_store(root, rows)
     kept = restarted.reconcile()
-    assert kept == [S1, OTHER]  # oldest first
-    assert files_under(root) == {"tn_a/s_1.ckv", "tn_b/s_3.ckv"}
-    assert sorted(r.name for r in rows.list_blobs()) == ["s_1", "s_3"]
-    assert (restarted.used_bytes(), restarted.get(OTHER)) == (50, b"k" * 40)
+    # A file whose row says another size is kept (its AES-GCM tag decides at restore) with a
+    # corrected row; files of no existing session or tenant, rows without files and temp files go.
+    assert kept == [S1, BASE, OTHER]  # oldest first
+    assert files_under(root) == {"tn_a/s_1.ckv", "tn_a/base-0123abcd.ckv", "tn_b/s_3.ckv"}
+    assert sorted((r.name, r.nbytes) for r in rows.list_blobs()) == [("base-0123abcd", 29), ("s_1", 10), ("s_3", 40)]
+    assert (restarted.used_bytes(), restarted.get(OTHER)) == (79, b"k" * 40)
+    assert restarted.damaged_at_start == 0
 
 
 def test_reconcile_invalidates_blobs_of_another_model(tmp_path: Path, rows: MetadataStore) -> None:
@@ -278,9 +281,9 @@ def test_kill_after_the_rename_before_the_row_leaves_no_torn_blob(tmp_path: Path
     kill(writer)
     new = blob_for(0, SIZES)
     assert (root / "tn_a" / "s_1.ckv").read_bytes() == new
-    # The row still describes the old blob: the new file does not match it and is dropped (rebuilt later).
-    assert assert_consistent(root, metadata, [old, new]) is None
-    assert files_under(root) == set()
+    # The row still describes the old blob; the new, complete file is kept with a corrected row
+    # (authentication at restore decides whether it is used), never thrown away as damaged.
+    assert assert_consistent(root, metadata, [old, new]) == new
 
 
 @pytest.mark.parametrize("delay_s", [0.02, 0.11, 0.29])
