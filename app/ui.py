@@ -162,6 +162,8 @@ class _Turn:
                 temperature=self.temperature,
             ):
                 self.items.put(item)
+        # A thread boundary: whatever the turn raises must reach the tab's generator, which is
+        # waiting on this queue (a ChatKVError is shown to the user, anything else is logged too).
         except Exception as exc:
             if not isinstance(exc, ChatKVError):
                 log.exception("turn on session %s failed", self.session_id)

@@ -188,7 +188,8 @@ class TierManager:
         if tier is None:
             return Restored(None, None, 0.0)
         if tier is Tier.DEVICE:
-            assert cache is not None
+            if cache is None:
+                raise RuntimeError("bug: a device entry without its cache")
             return Restored(cache, Tier.DEVICE, time.perf_counter() - started)
         store = self._stores[tier]
         base_prefill = 0
@@ -432,7 +433,8 @@ class TierManager:
         `skip_host` is off (an operator asked for the host tier)."""
         source = entry.tier
         if source is Tier.DEVICE:
-            assert entry.cache is not None
+            if entry.cache is None:
+                raise RuntimeError("bug: a device entry without its cache")
             cache = entry.cache
             disk = self._stores[Tier.DISK]
             persisted = entry.persisted_version == entry.version and disk.contains(entry.key)
@@ -581,7 +583,8 @@ class TierManager:
                 if entry.tier is Tier.HOST:
                     self._move_down(entry, drop=False)
                 elif entry.tier is Tier.DEVICE and entry.persisted_version != entry.version:
-                    assert entry.cache is not None
+                    if entry.cache is None:
+                        raise RuntimeError("bug: a device entry without its cache")
                     blob = self._seal_or_none(entry.key, entry.cache)
                     if blob is None:
                         continue
