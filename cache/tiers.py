@@ -8,6 +8,7 @@ process memory, files). `sessions/` wires the storage implementations in.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,8 +64,12 @@ class SealFailed(Exception):
 class CacheSealer(Protocol):
     """Turns caches into sealed bytes bound to their key, and back."""
 
-    def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes:
-        """Raises `SealFailed` if the cache cannot be sealed for this key."""
+    def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
+        """Raises `SealFailed` if the cache cannot be sealed for this key.
+
+        `pause`, if given, is called between the sealing steps (encoding, encryption), each of
+        which holds the GIL for tens of milliseconds per 100 MB: a background writer uses it to
+        step aside while a turn runs (see `TierManager`)."""
         ...
 
     def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:

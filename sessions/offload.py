@@ -10,6 +10,8 @@ master key that does not unwrap it) cannot seal: `SealFailed`, and the cache is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cache.serialization import (
@@ -70,11 +72,14 @@ class EncryptedCacheSealer:
             raise BlobRejected("the blob was made with another model")
         return tensors, header
 
-    def seal_session(self, key: CacheKey, cache: SessionCache) -> bytes:
+    def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
         data_key = self._data_key(key)
         tensors, header = session_cache_to_tensors(cache, self._precision, self._residual)
         header["model_fingerprint"] = self._fingerprint
-        return seal(data_key, codec.encode(tensors, header), self._aad(key))
+        payload = codec.encode(tensors, header)
+        if pause is not None:
+            pause()
+        return seal(data_key, payload, self._aad(key))
 
     def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
         tensors, header = self._open(key, blob)

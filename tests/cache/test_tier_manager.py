@@ -4,7 +4,9 @@ quota, bit-identical restores, rejected blobs, write-back and shared base layers
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,7 +104,9 @@ def make_rig(tmp_path: Path) -> Iterator:
         metadata.create_tenant(tenant_id=tenant, name=tenant, wrapped_data_key=keys.new_wrapped_key(tenant))
     rigs: list[Rig] = []
 
-    def build(limits: TierBudgets | None = None, write_back: bool = False, fingerprint: str = "fp-a") -> Rig:
+    def build(
+        limits: TierBudgets | None = None, write_back: bool = False, fingerprint: str = "fp-a", **options: float
+    ) -> Rig:
         disk: DiskBlobStore[CacheKey] = DiskBlobStore(
             tmp_path / "blobs", metadata, fingerprint, lambda t, n: CacheKey(TenantId(t), n)
         )
@@ -124,6 +128,7 @@ def make_rig(tmp_path: Path) -> Iterator:
             base_builder=builder,
             write_back=write_back,
             events=events,
+            **options,
         )
         tiers.adopt_disk_blobs(disk.reconcile())
         rig = Rig(tiers, metadata, disk, host, events, built, ring)
@@ -607,3 +612,69 @@ def test_explicit_evictions_keep_the_host_within_budget(make_rig) -> None:
         rig.tiers.evict(key, Tier.HOST)
         assert rig.tiers.usage().bytes[Tier.HOST] <= rig.tiers.budgets.host_bytes
     assert placements(rig.tiers, keys) == [Tier.DISK, Tier.HOST, Tier.HOST]
+
+
+# -- write-back yields to turns ------------------------------------------------------------------------
+
+
+def test_write_back_waits_while_another_session_has_a_turn_in_flight(make_rig) -> None:
+    rig = make_rig(write_back=True, write_back_max_defer_s=60.0)
+    keys = [session_key(A, n) for n in range(2)]
+    add_rows(rig, *keys)
+    with rig.tiers.lease(keys[1]):  # another session's turn is running
+        turn(rig.tiers, keys[0], make_cache(0))
+        time.sleep(0.3)
+        assert not rig.disk.path_for(keys[0]).exists()
+    rig.tiers.flush()
+    assert rig.disk.path_for(keys[0]).exists()
+    assert rig.tiers.evict(keys[0], Tier.DISK) is Tier.DISK
+    stored = rig.tiers.stored_cache(keys[0])
+    assert stored is not None
+    assert_same_tensors(stored, make_cache(0))
+
+
+def test_write_back_goes_ahead_after_its_deferral_limit(make_rig) -> None:
+    rig = make_rig(write_back=True, write_back_max_defer_s=0.1)
+    keys = [session_key(A, n) for n in range(2)]
+    add_rows(rig, *keys)
+    with rig.tiers.lease(keys[1]):  # a busy server: some turn is always in flight
+        turn(rig.tiers, keys[0], make_cache(0))
+        rig.tiers.flush()
+        assert rig.disk.path_for(keys[0]).exists()
+
+
+class GatedSealer:
+    """Wraps a sealer: at its pause point, signals `paused` and waits for `go` before pausing."""
+
+    def __init__(self, inner: EncryptedCacheSealer) -> None:
+        self.inner = inner
+        self.paused = threading.Event()
+        self.go = threading.Event()
+
+    def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
+        def gate() -> None:
+            self.paused.set()
+            self.go.wait(10)
+            if pause is not None:
+                pause()
+
+        return self.inner.seal_session(key, cache, gate)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_a_write_back_pauses_between_its_steps_when_a_turn_starts(make_rig) -> None:
+    rig = make_rig(write_back=True, write_back_max_defer_s=60.0)
+    gated = GatedSealer(rig.tiers._sealer)
+    rig.tiers._sealer = gated
+    keys = [session_key(A, n) for n in range(2)]
+    add_rows(rig, *keys)
+    turn(rig.tiers, keys[0], make_cache(0))
+    assert gated.paused.wait(10), "the sealer never reached its pause point"
+    with rig.tiers.lease(keys[1]):  # a turn starts while the cache is half sealed
+        gated.go.set()
+        time.sleep(0.3)
+        assert not rig.disk.path_for(keys[0]).exists()
+    rig.tiers.flush()
+    assert rig.disk.path_for(keys[0]).exists()
