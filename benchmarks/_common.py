@@ -259,6 +259,31 @@ def naive_first_token(engine: Engine, messages: list[dict[str, str]]) -> tuple[f
     return seconds, token, int(input_ids.shape[1])
 
 
+def cached_forward_floor_s(engine: Engine, messages: list[dict[str, str]], new_tokens: int, repeats: int) -> float:
+    """The model's own cost of a follow-up turn with perfect KV reuse: plain `transformers` with the
+    whole history already in a `DynamicCache`, one forward pass of the last `new_tokens` tokens of
+    the templated conversation and the greedy token (no templating, no chatkv). Median seconds of
+    `repeats`; the cache is cropped back between repeats. No exact KV-reuse system can beat it."""
+    model, tokenizer = engine.model, engine.tokenizer
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    input_ids = encoded["input_ids"].to(engine.device)
+    cached = int(input_ids.shape[1]) - new_tokens
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=input_ids[:, :cached], cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(repeats):
+            sync(engine)
+            started = time.perf_counter()
+            out = model(input_ids=input_ids[:, cached:], cache=cache, use_cache=True, logits_to_keep=1)
+            int(torch.argmax(out.logits[0, -1]).item())
+            times.append(time.perf_counter() - started)
+            cache.crop(cached - cache.get_seq_length())  # transformers 5 crops by a negative count
+    return median(times)
+
+
 # -- page cache --------------------------------------------------------------------------------
 
 
