@@ -242,6 +242,16 @@ class TierManager:
     def base_layer(self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> tuple[BaseLayer, str]:
         """The base layer `key` and where it came from: `pool`, `blob` (a stored copy, decrypted)
         or `built` (recomputed by `base_builder`)."""
+        found = self.find_base_layer(tenant_id, key, token_ids)
+        if found is not None:
+            return found
+        return self.pool.put(tenant_id, self._base_builder(tenant_id, key, token_ids)), "built"
+
+    def find_base_layer(
+        self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]
+    ) -> tuple[BaseLayer, str] | None:
+        """Like `base_layer` without building: `None` when neither the pool nor a stored blob has
+        it (the caller computes it, e.g. in the turn's own prefill, and `adopt_base_layer`s it)."""
         base = self.pool.get(key)
         if base is not None:
             return base, "pool"
@@ -259,7 +269,12 @@ class TierManager:
                 continue
             if base.token_ids == token_ids:
                 return self.pool.put(tenant_id, base), "blob"
-        return self.pool.put(tenant_id, self._base_builder(tenant_id, key, token_ids)), "built"
+        return None
+
+    def adopt_base_layer(self, tenant_id: TenantId, base: BaseLayer) -> BaseLayer:
+        """Put a base computed by a turn into the pool; returns the pooled instance (another turn
+        may have put the same key first, and every session then shares that one)."""
+        return self.pool.put(tenant_id, base)
 
     def _place_on_device(self, entry: _Entry, cache: SessionCache) -> None:
         """Under the lock: make `cache` the entry's device copy, moving the base reference."""

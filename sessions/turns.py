@@ -8,7 +8,9 @@ Two ways to the first new token:
 - **rebuild** (first turn, no cache stored, a stored cache rejected, another model, or a template
   that renders history differently): splice the whole conversation from the transcript
   (`ChatTemplate.conversation`), take the base layer from the tenant's prefix pool when it is
-  there, and prefill the kept turns plus the new one.
+  there, and prefill the kept turns plus the new one. A base that is nowhere yet (the first
+  session with this system prompt) is prefilled in the same forward pass as the turn and then
+  copied into the pool, so a first turn costs one pass, like a plain full prefill.
 
 Either way the window policy first demotes the oldest unpinned turns if the turn would not fit.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.prefix_pool import prefix_key
-from cache.session_cache import LayerKind, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache, WorkingCache
 from cache.tier_manager import Lease, TierManager
 from cache.tiers import Tier
 from cache.window_policy import (
@@ -286,16 +288,22 @@ class TurnRunner:
         window = self._plan_window(past_spans, base_tokens, TurnPlan((), new_turn), params)
         dropped = {span.original_start for span in window.demote}
         kept = [span for span in past_spans if span.original_start not in dropped]
-        base_reused, base_computed = 0, 0
+        base_reused = 0
         base = None
+        pending_base = None
+        prefill: list[int] = []
         if base_tokens:
             key = self.base_key(tenant_id, session_id, base_ids)
-            base, how = self.tiers.base_layer(tenant_id, key, tuple(base_ids))
-            base_reused = base_tokens if how != "built" else 0
-            base_computed = base_tokens if how == "built" else 0
+            found = self.tiers.find_base_layer(tenant_id, key, tuple(base_ids))
+            if found is None:
+                # Computed in this turn's own forward pass and adopted into the pool afterwards.
+                pending_base = _PendingBase(tenant_id, key, tuple(base_ids))
+                prefill.extend(base_ids)
+            else:
+                base = found[0]
+                base_reused = base_tokens
         cache = self.engine.empty_cache(base)
         spans: list[LayerSpan] = []
-        prefill: list[int] = []
         position = base_tokens
         for span in kept:
             prefill.extend(ids[span.original_start : span.original_start + span.token_count])
@@ -312,10 +320,11 @@ class TurnRunner:
             reused_tokens=base_reused,
             base_reused=base_reused,
             demoted_tokens=window.demoted_tokens,
-            base_computed=base_computed,
+            base_computed=0,
             # The same ids the reuse path records: everything after the previous turn's fed tokens.
             user_token_ids=tuple(ids[min(transcript.token_count, starts[-1]) :]),
             stream_before_reply=len(ids),
+            pending_base=pending_base,
         )
 
     # -- shared --------------------------------------------------------------------------------
@@ -363,17 +372,21 @@ class TurnRunner:
         if tail:
             yield tail
         decode_s = time.perf_counter() - decode_started
-        appended = (*prepared.prefill, *generated[:-1])
+        start, prefilled = prepared.cache, prepared.prefill
+        if prepared.pending_base is not None:
+            start = self.engine.empty_cache(self._adopt_base(prepared.pending_base, working))
+            prefilled = prefilled[start.base_tokens :]
+        appended = (*prefilled, *generated[:-1])
         spans = list(prepared.spans)
         spans[-1] = replace(spans[-1], token_count=prepared.new_turn_prefill + len(generated) - 1)
         unpinned = None
-        if spans[-1].pinned and not self._pins_leave_room(prepared.cache, spans):
+        if spans[-1].pinned and not self._pins_leave_room(start, spans):
             unpinned = spans[-1].turn_index
             spans[-1] = replace(spans[-1], kind=LayerKind.TURN)
             log.warning("turn %s is not pinned: it would leave no room in the window", unpinned)
         turn = PastTurn(user_text, detokenizer.text, tuple(generated))
         digest = transcript_digest(transcript.digest, turn, None)
-        cache = prepared.cache.after_turn(working, appended, spans, transcript_digest=digest)
+        cache = start.after_turn(working, appended, spans, transcript_digest=digest)
         finish: FinishReason = "stop" if generated and generated[-1] in engine.stop_token_ids else "length"
         stats = TurnStats(
             prefill_tokens=len(prepared.prefill) + prepared.base_computed,
@@ -392,11 +405,27 @@ class TurnRunner:
             reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1, unpinned
         )
 
+    def _adopt_base(self, pending: _PendingBase, working: WorkingCache) -> BaseLayer:
+        """Copy the base prefix out of the turn's working cache into the tenant's pool."""
+        n = len(pending.token_ids)
+        keys = tuple(layer.filled_keys[:, :, :n].clone() for layer in working.prealloc_layers)
+        values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
+        return self.tiers.adopt_base_layer(pending.tenant_id, BaseLayer(pending.key, pending.token_ids, keys, values))
+
     def _pins_leave_room(self, cache: SessionCache, spans: Sequence[LayerSpan]) -> bool:
         first_new = spans[0].original_start
         layers = [s for s in cache.layers if s.original_start < first_new] + list(spans)
         pinned = sum(s.token_count for s in layers if s.pinned)
         return cache.base_tokens + pinned + MIN_TURN_TOKENS <= self.window.budget_tokens
+
+
+@dataclass(frozen=True)
+class _PendingBase:
+    """A base layer that is in neither the pool nor a blob: the turn prefills it first."""
+
+    tenant_id: TenantId
+    key: PrefixKey
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -412,10 +441,13 @@ class _Prepared:
         reused_tokens: tokens served from cache (session cache or pooled base).
         base_reused: part of `reused_tokens` that is the shared base layer.
         demoted_tokens: tokens windowed out before this turn.
-        base_computed: base-layer tokens prefilled because no copy was stored.
+        base_computed: base-layer tokens prefilled, outside `prefill`, during a restore because no
+            copy of the base was stored.
         user_token_ids: ids recorded with the user message (its closing of the previous turn,
             framing and text, up to the generation prompt).
         stream_before_reply: conversation-stream length once the prefill is fed.
+        pending_base: set when `prefill` starts with the base layer's ids (`cache` then has no
+            base); the base is copied into the pool after the turn.
     """
 
     cache: SessionCache
@@ -428,6 +460,7 @@ class _Prepared:
     base_computed: int
     user_token_ids: tuple[int, ...]
     stream_before_reply: int
+    pending_base: _PendingBase | None = None
 
 
 def _apply_pins(cache: SessionCache, pinned: set[int]) -> SessionCache:

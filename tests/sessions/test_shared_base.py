@@ -76,3 +76,27 @@ def test_offloaded_sessions_store_a_reference_to_the_base_not_a_copy(tiny_manage
     assert tiny_manager.tiers.placement(CacheKey(acme.id, sessions[1])) is Tier.DISK
     blob = disk.path_for(CacheKey(acme.id, sessions[1])).read_bytes()
     assert codec is not None and len(blob) < tiny_manager.engine.layout.bytes_per_token * cache.total_tokens
+
+
+def test_a_new_system_prompt_is_prefilled_in_the_first_turns_own_forward_pass(
+    tiny_manager: SessionManager, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    engine = tiny_manager.engine
+    passes: list[int] = []
+    forward = engine._forward
+
+    def counting(cache, token_ids):  # type: ignore[no-untyped-def]
+        passes.append(len(token_ids))
+        return forward(cache, token_ids)
+
+    monkeypatch.setattr(engine, "_forward", counting)
+    acme = tiny_manager.create_tenant("acme")
+    _, one = first_turn(tiny_manager, acme)
+    prefills = [n for n in passes if n > 1]
+    assert prefills == [one.stats.prefill_tokens]  # base and message in one pass, not two
+    ids = tiny_manager.template.system_prefix_ids(SYSTEM)
+    base = tiny_manager.tiers.pool.get(prefix_key(acme.id, engine.fingerprint, ids))
+    assert base is not None and base.token_ids == tuple(ids)
+    keys, values = engine.compute_prefix(ids)  # the prefix alone, at positions 0..n-1
+    for got, want in zip((*base.keys, *base.values), (*keys, *values), strict=True):
+        torch.testing.assert_close(got, want)
