@@ -17,7 +17,9 @@ per 100 MB (safetensors encoding, AES-GCM), and a turn's hundreds of short torch
 for it (a GIL convoy: measured here, a follow-up turn of a 2,000-token session took 645 ms instead
 of 222 ms while another session's cache was being sealed). So a write-back starts once no turn has
 been in flight for `write_back_settle_s`, pauses between its steps while one is, and goes ahead
-anyway after `write_back_max_defer_s` so a busy server still persists (bounding what a crash loses).
+anyway `write_back_max_defer_s` after it was queued, so a busy server still persists (bounding
+what a crash loses). It does not yield when the device tier is nearly full (an eviction would then
+seal the cache synchronously instead), nor while `flush()` (and so `persist_all()`) waits.
 
 Shared base layers live in the `PrefixPool`; an offloaded session stores a reference to its base,
 and the base itself is written once as its own blob.
@@ -49,7 +51,10 @@ BaseBuilder = Callable[[TenantId, PrefixKey, tuple[int, ...]], BaseLayer]
 WRITE_BACK_SETTLE_S = 0.05
 """Seconds without a turn in flight before a write-back starts sealing."""
 WRITE_BACK_MAX_DEFER_S = 2.0
-"""Seconds a write-back waits for the turns to pause before it runs alongside them."""
+"""Seconds after a write-back is queued at which it runs even if turns are still going on."""
+WRITE_BACK_DEVICE_PRESSURE = 0.75
+"""Device-tier use (share of its budget) above which the writer stops yielding: the next
+eviction would otherwise have to seal a not-yet-persisted cache on a turn's thread, under the lock."""
 """Recomputes a base layer by prefill when neither the pool nor a stored blob has it."""
 
 
@@ -156,6 +161,7 @@ class TierManager:
         self._settle_s = WRITE_BACK_SETTLE_S if write_back_settle_s is None else write_back_settle_s
         self._max_defer_s = WRITE_BACK_MAX_DEFER_S if write_back_max_defer_s is None else write_back_max_defer_s
         self._turns_in_flight = 0
+        self._hurry = 0
         self._last_turn_end = time.monotonic()
         self._turn_ended = threading.Condition(self._lock)
 
@@ -251,7 +257,7 @@ class TierManager:
         self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]
     ) -> tuple[BaseLayer, str] | None:
         """Like `base_layer` without building: `None` when neither the pool nor a stored blob has
-        it (the caller computes it, e.g. in the turn's own prefill, and `adopt_base_layer`s it)."""
+        it (the caller computes it, e.g. in the turn's own prefill, and `Lease.adopt_base`s it)."""
         base = self.pool.get(key)
         if base is not None:
             return base, "pool"
@@ -270,11 +276,6 @@ class TierManager:
             if base.token_ids == token_ids:
                 return self.pool.put(tenant_id, base), "blob"
         return None
-
-    def adopt_base_layer(self, tenant_id: TenantId, base: BaseLayer) -> BaseLayer:
-        """Put a base computed by a turn into the pool; returns the pooled instance (another turn
-        may have put the same key first, and every session then shares that one)."""
-        return self.pool.put(tenant_id, base)
 
     def _place_on_device(self, entry: _Entry, cache: SessionCache) -> None:
         """Under the lock: make `cache` the entry's device copy, moving the base reference."""
@@ -570,7 +571,7 @@ class TierManager:
         with self._lock:
             if self._closed:
                 return
-            future = self._writer.submit(self._write_back_job, key)
+            future = self._writer.submit(self._write_back_job, key, time.monotonic() + self._max_defer_s)
             self._pending[key] = future
         future.add_done_callback(lambda done: self._write_back_done(key, done))
 
@@ -584,11 +585,12 @@ class TierManager:
 
     def _step_aside(self, deadline: float) -> None:
         """Block the writer until no turn has been in flight for the settle time, or `deadline`
-        (`time.monotonic()` seconds) passes, or the manager closes."""
+        (`time.monotonic()` seconds) passes, the device tier is nearly full, a `flush()` waits,
+        or the manager closes."""
         with self._lock:
-            while not self._closed:
+            while not self._closed and not self._hurry:
                 now = time.monotonic()
-                if now >= deadline:
+                if now >= deadline or self._device_pressure():
                     return
                 if self._turns_in_flight:
                     timeout = deadline - now
@@ -599,16 +601,31 @@ class TierManager:
                     timeout = min(self._settle_s - quiet, deadline - now)
                 self._turn_ended.wait(timeout)
 
-    def _write_back_job(self, key: CacheKey) -> None:
-        deadline = time.monotonic() + self._max_defer_s
+    def _device_pressure(self) -> bool:
+        """Under the lock: is the device tier above `WRITE_BACK_DEVICE_PRESSURE` of its budget?"""
+        used = self.pool.nbytes() + sum(e.nbytes for e in self._entries.values() if e.tier is Tier.DEVICE)
+        return used > WRITE_BACK_DEVICE_PRESSURE * self.budgets.device_bytes
+
+    def _write_back_due(self, key: CacheKey) -> tuple[_Entry, SessionCache, int] | None:
+        """Under the lock: the entry, cache and version to write, or `None` when there is nothing
+        to write (deleted, moved off the device, or this version already on disk)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.tier is not Tier.DEVICE or entry.cache is None:
+            return None
+        if entry.persisted_version == entry.version:
+            return None
+        return entry, entry.cache, entry.version
+
+    def _write_back_job(self, key: CacheKey, deadline: float) -> None:
+        with self._lock:
+            if self._write_back_due(key) is None:
+                return  # e.g. an earlier job already wrote this version: no need to wait for turns
         self._step_aside(deadline)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.tier is not Tier.DEVICE or entry.cache is None:
+            due = self._write_back_due(key)
+            if due is None:
                 return
-            if entry.persisted_version == entry.version:
-                return
-            cache, version = entry.cache, entry.version
+            entry, cache, version = due
         blob = self._seal_or_none(key, cache, pause=lambda: self._step_aside(deadline))
         if blob is None:
             return  # eviction drops it too: nothing can be stored for this tenant now
@@ -629,10 +646,17 @@ class TierManager:
             self._enforce_disk_budget()
 
     def flush(self) -> None:
-        """Wait for queued write-backs (a failed one was logged; its cache is written at shutdown)."""
+        """Wait for queued write-backs, which stop yielding to turns meanwhile (a failed one was
+        logged; its cache is written at shutdown)."""
         with self._lock:
             futures = list(self._pending.values())
-        wait(futures)
+            self._hurry += 1
+            self._turn_ended.notify_all()
+        try:
+            wait(futures)
+        finally:
+            with self._lock:
+                self._hurry -= 1
 
     def persist_all(self) -> None:
         """Write every cache not yet on disk there (at shutdown, so a restart resumes warm)."""
@@ -689,6 +713,17 @@ class Lease:
             manager._place_on_device(entry, cache)
             entry.version += 1
             self.committed = True
+
+    def adopt_base(self, base: BaseLayer) -> BaseLayer:
+        """Put a base layer computed by this turn into the pool and return the pooled instance
+        (another turn may have put the same key first; every session then shares that one). If
+        the session was forgotten meanwhile (it or its tenant deleted), `base` is returned
+        unpooled, so a deleted tenant's KV never enters the pool after `forget_tenant`."""
+        manager = self._manager
+        with manager._lock:
+            if manager._entries.get(self._entry.key) is not self._entry:
+                return base
+            return manager.pool.put(self._entry.key.tenant_id, base)
 
     def discard(self) -> None:
         """Drop whatever is stored for the session (it no longer matches the transcript)."""

@@ -171,7 +171,7 @@ class TurnRunner:
             prepared = replace(prepared, base_computed=restored.base_prefill_tokens)
         else:
             prepared = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
-        yield from self._generate(prepared, transcript, user_text, params, started, source, restored.seconds)
+        yield from self._generate(prepared, transcript, user_text, params, started, source, restored.seconds, lease)
 
     # -- reuse ---------------------------------------------------------------------------------
 
@@ -297,7 +297,7 @@ class TurnRunner:
             found = self.tiers.find_base_layer(tenant_id, key, tuple(base_ids))
             if found is None:
                 # Computed in this turn's own forward pass and adopted into the pool afterwards.
-                pending_base = _PendingBase(tenant_id, key, tuple(base_ids))
+                pending_base = _PendingBase(key, tuple(base_ids))
                 prefill.extend(base_ids)
             else:
                 base = found[0]
@@ -350,6 +350,7 @@ class TurnRunner:
         started: float,
         source: RestoreSource,
         restore_s: float,
+        lease: Lease,
     ) -> Iterator[str | TurnOutcome]:
         engine = self.engine
         working = prepared.cache.to_working_cache(len(prepared.prefill) + params.max_new_tokens)
@@ -374,7 +375,7 @@ class TurnRunner:
         decode_s = time.perf_counter() - decode_started
         start, prefilled = prepared.cache, prepared.prefill
         if prepared.pending_base is not None:
-            start = self.engine.empty_cache(self._adopt_base(prepared.pending_base, working))
+            start = self.engine.empty_cache(self._adopt_base(prepared.pending_base, working, lease))
             prefilled = prefilled[start.base_tokens :]
         appended = (*prefilled, *generated[:-1])
         spans = list(prepared.spans)
@@ -405,12 +406,12 @@ class TurnRunner:
             reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1, unpinned
         )
 
-    def _adopt_base(self, pending: _PendingBase, working: WorkingCache) -> BaseLayer:
+    def _adopt_base(self, pending: _PendingBase, working: WorkingCache, lease: Lease) -> BaseLayer:
         """Copy the base prefix out of the turn's working cache into the tenant's pool."""
         n = len(pending.token_ids)
         keys = tuple(layer.filled_keys[:, :, :n].clone() for layer in working.prealloc_layers)
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
-        return self.tiers.adopt_base_layer(pending.tenant_id, BaseLayer(pending.key, pending.token_ids, keys, values))
+        return lease.adopt_base(BaseLayer(pending.key, pending.token_ids, keys, values))
 
     def _pins_leave_room(self, cache: SessionCache, spans: Sequence[LayerSpan]) -> bool:
         first_new = spans[0].original_start
@@ -423,7 +424,6 @@ class TurnRunner:
 class _PendingBase:
     """A base layer that is in neither the pool nor a blob: the turn prefills it first."""
 
-    tenant_id: TenantId
     key: PrefixKey
     token_ids: tuple[int, ...]
 

@@ -678,3 +678,29 @@ def test_a_write_back_pauses_between_its_steps_when_a_turn_starts(make_rig) -> N
         assert not rig.disk.path_for(keys[0]).exists()
     rig.tiers.flush()
     assert rig.disk.path_for(keys[0]).exists()
+
+
+def test_flush_writes_every_pending_cache_without_waiting_for_the_turns(make_rig) -> None:
+    rig = make_rig(write_back=True, write_back_max_defer_s=600.0)
+    keys = [session_key(A, n) for n in range(4)]
+    add_rows(rig, *keys)
+    with rig.tiers.lease(keys[3]):  # a turn that outlasts everything below
+        for number, key in enumerate(keys[:3]):
+            turn(rig.tiers, key, make_cache(number))
+        rig.tiers.flush()  # would take 3 x 600 s if queued write-backs kept yielding
+        assert all(rig.disk.path_for(key).exists() for key in keys[:3])
+        rig.tiers.persist_all()
+
+
+def test_write_back_stops_yielding_when_the_device_is_nearly_full(make_rig) -> None:
+    # Otherwise the next eviction would seal the unwritten cache on a turn's thread, under the lock.
+    rig = make_rig(budgets(device=SESSION_BYTES + 100), write_back=True, write_back_max_defer_s=600.0)
+    keys = [session_key(A, n) for n in range(2)]
+    add_rows(rig, *keys)
+    with rig.tiers.lease(keys[1]):
+        turn(rig.tiers, keys[0], make_cache(0))
+        for _ in range(200):
+            if rig.disk.path_for(keys[0]).exists():
+                break
+            time.sleep(0.05)
+        assert rig.disk.path_for(keys[0]).exists()

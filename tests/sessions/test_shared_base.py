@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from cache.prefix_pool import prefix_key
 from cache.tiers import CacheKey, Tier
 from sessions.engine import Engine
+from sessions.errors import SessionNotFound, TenantNotFound
 from sessions.manager import SessionManager
 from storage import codec
 from tests.conftest import make_settings
@@ -100,3 +102,23 @@ def test_a_new_system_prompt_is_prefilled_in_the_first_turns_own_forward_pass(
     keys, values = engine.compute_prefix(ids)  # the prefix alone, at positions 0..n-1
     for got, want in zip((*base.keys, *base.values), (*keys, *values), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_tenant_deleted_during_its_first_turn_leaves_no_base_in_the_pool(
+    tiny_manager: SessionManager, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    engine = tiny_manager.engine
+    acme = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(acme, system_prompt=SYSTEM)
+    prefill = engine.prefill
+
+    def prefill_then_delete(cache, token_ids):  # type: ignore[no-untyped-def]
+        logits = prefill(cache, token_ids)
+        monkeypatch.setattr(engine, "prefill", prefill)
+        tiny_manager.delete_tenant(acme)  # while the first turn (which computes the base) runs
+        return logits
+
+    monkeypatch.setattr(engine, "prefill", prefill_then_delete)
+    with pytest.raises((SessionNotFound, TenantNotFound)):
+        tiny_manager.chat(acme, sid, "Where is my order?", max_new_tokens=4)
+    assert len(tiny_manager.tiers.pool) == 0 and tiny_manager.tiers.pool.nbytes() == 0
