@@ -47,6 +47,7 @@ from cache.tiers import BlobRejected, BlobStore, CacheKey, CacheSealer, NoEvents
 log = logging.getLogger(__name__)
 
 BaseBuilder = Callable[[TenantId, PrefixKey, tuple[int, ...]], BaseLayer]
+"""Recomputes a base layer by prefill when neither the pool nor a stored blob has it."""
 
 WRITE_BACK_SETTLE_S = 0.05
 """Seconds without a turn in flight before a write-back starts sealing."""
@@ -55,7 +56,6 @@ WRITE_BACK_MAX_DEFER_S = 2.0
 WRITE_BACK_DEVICE_PRESSURE = 0.75
 """Device-tier use (share of its budget) above which the writer stops yielding: the next
 eviction would otherwise have to seal a not-yet-persisted cache on a turn's thread, under the lock."""
-"""Recomputes a base layer by prefill when neither the pool nor a stored blob has it."""
 
 
 class LeaseHeld(Exception):
