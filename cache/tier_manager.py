@@ -603,8 +603,7 @@ class TierManager:
 
     def _device_pressure(self) -> bool:
         """Under the lock: is the device tier above `WRITE_BACK_DEVICE_PRESSURE` of its budget?"""
-        used = self.pool.nbytes() + sum(e.nbytes for e in self._entries.values() if e.tier is Tier.DEVICE)
-        return used > WRITE_BACK_DEVICE_PRESSURE * self.budgets.device_bytes
+        return self.usage().bytes[Tier.DEVICE] > WRITE_BACK_DEVICE_PRESSURE * self.budgets.device_bytes
 
     def _write_back_due(self, key: CacheKey) -> tuple[_Entry, SessionCache, int] | None:
         """Under the lock: the entry, cache and version to write, or `None` when there is nothing
