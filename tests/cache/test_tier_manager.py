@@ -496,7 +496,7 @@ def test_an_unreferenced_base_leaves_the_device_before_any_session(make_rig) -> 
     assert rig.built_bases == []  # reloaded from its blob
 
 
-def test_a_dropped_base_blob_is_rebuilt(make_rig) -> None:
+def test_a_dropped_base_blob_is_rebuilt_and_reported(make_rig) -> None:
     base = make_base(A)
     rig = make_rig()
     key = session_key(A, 0)
@@ -509,6 +509,7 @@ def test_a_dropped_base_blob_is_rebuilt(make_rig) -> None:
         restored = lease.restore()
     assert restored.source is Tier.DISK and restored.cache is not None and restored.cache.base is not None
     assert rig.built_bases == [base.key]
+    assert restored.base_prefill_tokens == base.token_count  # the recomputed base counts as prefilled
 
 
 def test_a_base_blob_outlives_the_offloaded_sessions_that_reference_it(make_rig) -> None:
@@ -549,19 +550,6 @@ def test_with_write_back_a_persisted_session_leaves_the_device_instantly_for_dis
     rig.tiers.flush()
     rig.tiers.budgets = budgets()
     assert rig.tiers.evict(keys[1], Tier.HOST) is Tier.HOST
-
-
-def test_a_base_recomputed_during_a_restore_is_reported(make_rig) -> None:
-    base = make_base(A)
-    rig = make_rig()
-    key = session_key(A, 0)
-    add_rows(rig, key)
-    turn(rig.tiers, key, make_cache(0, base=base))
-    rig.tiers.evict(key, Tier.DISK)
-    rig.tiers.pool.remove(base.key)
-    rig.disk.delete(CacheKey.for_base(A, base.key))
-    with rig.tiers.lease(key) as lease:
-        assert lease.restore().base_prefill_tokens == base.token_count
 
 
 # -- forgetting ----------------------------------------------------------------------------------------
