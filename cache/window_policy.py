@@ -4,7 +4,9 @@ Before a turn, the window must hold the base layer, the kept turn layers, the to
 prefills and `max_new_tokens`. While it would not, the oldest unpinned turn layer is demoted out of
 the window (the transcript keeps its messages). The kept tokens after a gap are then moved back to
 contiguous positions by re-rotating their keys (`cache.rope`), as StreamingLLM does when it evicts
-tokens; values carry no position and are kept as they are.
+tokens; values carry no position and are kept as they are. Only model layer 0 then equals a fresh
+prefill of the window: deeper layers keep what they computed with the demoted turns in context
+(StreamingLLM's trade-off; docs/architecture.md, "Context window"). Re-prefilling is exact.
 
     before   | base | t0 (pinned) | t1 | t2 | t3 |        budget exceeded by the new turn
     demote   | base | t0 (pinned) |         | t3 |        t1, t2 out (oldest unpinned first)
@@ -18,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cache.rope import rotate_keys
+from cache.rope import RopeLayout, rotate_keys
 from cache.session_cache import LayerSpan, SessionCache
 
 MIN_TURN_TOKENS = 64
@@ -108,13 +110,13 @@ def kept_layers(cache: SessionCache, demote: Sequence[LayerSpan]) -> list[tuple[
     return out
 
 
-def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], inv_freq: torch.Tensor) -> SessionCache:
+def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], layout: RopeLayout) -> SessionCache:
     """Drop `demote` from the cache and re-rotate the kept keys to contiguous positions.
 
     Args:
         cache: the session cache (own tensors `[1, kv_heads, own_tokens, head_dim]`).
         demote: layers of `cache.layers` to drop.
-        inv_freq: `[head_dim // 2]` RoPE inverse frequencies (see `cache.rope`).
+        layout: the model's RoPE layout (`cache.rope.rope_layout`).
 
     Returns:
         A new cache; `cache` and its tensors are not modified.
@@ -131,7 +133,7 @@ def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], inv_fre
         shift = span.position_start - position
         end = offset + span.token_count
         for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
-            pieces_k[index].append(rotate_keys(keys[:, :, offset:end], shift, inv_freq))
+            pieces_k[index].append(rotate_keys(keys[:, :, offset:end], shift, layout))
             pieces_v[index].append(values[:, :, offset:end])
         token_ids.extend(cache.own_token_ids[offset:end])
         spans.append(replace(span, position_start=position))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache.rope import rotation_supported
+from cache.rope import RopeLayout, rope_layout
 from cache.session_cache import BaseLayer, SessionCache, WorkingCache
 from sessions.model_source import LoadedModel
 from sessions.sampling import Sampler, SamplingParams
@@ -43,8 +43,8 @@ class Engine:
     Attributes:
         max_context_tokens: the model's `max_position_embeddings`.
         stop_token_ids: ids that end a reply (the generation config's and tokenizer's EOS).
-        rope_inv_freq: `[head_dim // 2]` float32 RoPE inverse frequencies when cached keys can be
-            re-rotated (see `cache.rope`), else `None` (windowing then re-prefills).
+        rope_layout: the model's RoPE layout when cached keys can be re-rotated (see `cache.rope`),
+            else `None` (windowing then re-prefills).
     """
 
     def __init__(self, loaded: LoadedModel) -> None:
@@ -64,7 +64,7 @@ class Engine:
             dtype=self.dtype,
         )
         self.stop_token_ids = self._stop_ids()
-        self.rope_inv_freq = self._composable_inv_freq(config)
+        self.rope_layout: RopeLayout | None = rope_layout(self.model)
         self._lock = threading.Lock()
 
     def _stop_ids(self) -> tuple[int, ...]:
@@ -76,17 +76,6 @@ class Engine:
             elif isinstance(eos, list | tuple):
                 ids.update(int(i) for i in eos)
         return tuple(sorted(ids))
-
-    def _composable_inv_freq(self, config: object) -> torch.Tensor | None:
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default") if isinstance(params, dict) else None
-        rotary = next((m for m in self.model.modules() if hasattr(m, "inv_freq")), None)
-        if rotary is None:
-            return None
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        if not rotation_supported(rope_type, scaling):
-            return None
-        return rotary.inv_freq.detach().to(torch.float32).clone()
 
     # -- caches --------------------------------------------------------------------------------
 

@@ -235,10 +235,10 @@ class TurnRunner:
         )
 
     def _demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
-        if self.engine.rope_inv_freq is not None:
-            return demote_by_rotation(cache, demote, self.engine.rope_inv_freq)
-        # RoPE variant whose rotations do not compose: recompute the kept layers at their new
-        # positions instead of approximating.
+        if self.engine.rope_layout is not None:
+            return demote_by_rotation(cache, demote, self.engine.rope_layout)
+        # RoPE whose rotations do not compose or whose layout is not known: recompute the kept
+        # layers at their new positions instead of approximating.
         kept = kept_layers(cache, demote)
         ids = [i for span, off in kept for i in cache.own_token_ids[off : off + span.token_count]]
         spans, position = [], cache.base_tokens

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from cache.ids import PrefixKey
+from cache.rope import RopeLayout
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+LAYOUT = RopeLayout(INV_FREQ, HEAD_DIM)
 
 
 def make_base(tokens: int, seed: int = 0) -> BaseLayer:

@@ -7,7 +7,7 @@ import torch
 
 from cache.rope import rotate_keys
 from cache.window_policy import ContextOverflow, WindowPolicy, demote_by_rotation
-from tests.cache.helpers import INV_FREQ, make_cache
+from tests.cache.helpers import LAYOUT, make_cache
 
 
 def test_budget_exactly_full_demotes_nothing_and_one_more_token_demotes_exactly_one_turn() -> None:
@@ -45,22 +45,22 @@ def test_turn_that_cannot_fit_raises_context_overflow_with_the_numbers() -> None
 def test_demotion_rotates_kept_keys_back_and_keeps_values() -> None:
     cache = make_cache([3, 4, 5], base_tokens=4)
     demote = [cache.layers[1]]
-    after = demote_by_rotation(cache, demote, INV_FREQ)
+    after = demote_by_rotation(cache, demote, LAYOUT)
     assert [(s.turn_index, s.position_start, s.original_start) for s in after.layers] == [(0, 4, 4), (2, 7, 11)]
     assert after.own_token_ids == (0, 1, 2, 7, 8, 9, 10, 11)
     assert after.total_tokens == 4 + 3 + 5
     for index in range(len(cache.own_keys)):
         assert torch.equal(after.own_keys[index][:, :, :3], cache.own_keys[index][:, :, :3])
         torch.testing.assert_close(
-            after.own_keys[index][:, :, 3:], rotate_keys(cache.own_keys[index][:, :, 7:], 4, INV_FREQ)
+            after.own_keys[index][:, :, 3:], rotate_keys(cache.own_keys[index][:, :, 7:], 4, LAYOUT)
         )
         assert torch.equal(after.own_values[index][:, :, 3:], cache.own_values[index][:, :, 7:])
     # The original cache is untouched (write-back may be sealing it concurrently).
     assert cache.own_keys[0].shape[-2] == 12
-    assert demote_by_rotation(cache, [], INV_FREQ) is cache
+    assert demote_by_rotation(cache, [], LAYOUT) is cache
 
 
 def test_demoting_every_turn_leaves_an_empty_own_part() -> None:
     cache = make_cache([3, 4], base_tokens=4)
-    after = demote_by_rotation(cache, list(cache.layers), INV_FREQ)
+    after = demote_by_rotation(cache, list(cache.layers), LAYOUT)
     assert after.own_tokens == 0 and after.layers == () and after.own_keys[0].shape == (1, 2, 0, 16)
