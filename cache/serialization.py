@@ -96,6 +96,7 @@ def session_cache_to_tensors(
         "precision": precision,
         "lossy_ranges": lossy_ranges,
         "transcript_digest": cache.transcript_digest,
+        "rendering_digest": cache.rendering_digest,
     }
     return tensors, header
 
@@ -166,6 +167,7 @@ def _session_cache_from_tensors(
         own_token_ids=own_ids,
         layers=tuple(LayerSpan.from_json(span) for span in header["layers"]),
         transcript_digest=str(header.get("transcript_digest", "")),
+        rendering_digest=str(header.get("rendering_digest", "")),
     )
 
 

@@ -135,6 +135,10 @@ class SessionCache:
     transcript_digest: str = ""
     """Digest of the transcript this cache was computed from (see `sessions.turns`); a cache is
     used only for the transcript it matches, so an edited message can never reuse a stale KV."""
+    rendering_digest: str = ""
+    """Digest of the chat template's text of the conversation through the last reply's content
+    (see `sessions.chat_template`); a cache whose text renders differently now (a date in the
+    system turn, another template) is not reused. Empty: unknown, never reused."""
 
     def __post_init__(self) -> None:
         if sum(span.token_count for span in self.layers) != len(self.own_token_ids):
@@ -232,6 +236,7 @@ class SessionCache:
         appended_token_ids: Sequence[int],
         spans: Sequence[LayerSpan],
         transcript_digest: str | None = None,
+        rendering_digest: str | None = None,
     ) -> SessionCache:
         """The cache after a turn appended `appended_token_ids` to `working`.
 
@@ -255,6 +260,7 @@ class SessionCache:
             own_token_ids=self.own_token_ids + tuple(appended_token_ids),
             layers=(*kept, *spans),
             transcript_digest=self.transcript_digest if transcript_digest is None else transcript_digest,
+            rendering_digest=self.rendering_digest if rendering_digest is None else rendering_digest,
         )
 
     def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:

@@ -17,11 +17,20 @@ The cut points come from rendering prefixes of the conversation: the text of tur
 the rendering of the messages before it ends, and assistant content `i` starts where the rendering
 with the generation prompt ends. If the template renders earlier messages differently once more
 are added (the prefix property fails), the cut points do not exist; `TemplateDivergence` tells the
-caller to re-prefill from the divergent point rather than reuse a cache that no longer matches.
+caller not to reuse a cache that no longer matches. The caller then prefills `whole_conversation`:
+one render of every message, with each reply the template kept verbatim spliced in as its ids and
+every reply it rewrote (shortened, say) tokenised as rendered, so the model sees exactly what the
+template says the conversation is now.
+
+A template can also render the cached part differently without any new message: one that reads
+the clock (`strftime_now`, Llama 3.x's "Today Date") changes its system turn at midnight. So every
+cache records `rendering_digest` of the text it stands for (through its last reply's content), and
+`next_turn` refuses the cache when a fresh render of that part has another digest.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,12 +67,15 @@ class ConversationTokens:
         token_ids: every id the model sees, in order: base, each turn (user framing, generated
             reply content, closing), and the new turn up to the generation prompt.
         base_tokens: length of the shareable prefix (the system-prompt rendering).
-        turn_starts: stream index where each turn begins; the last entry is the new turn.
+        turn_starts: stream index where each turn begins; the last entry is the new turn. From
+            `whole_conversation`, the earlier turns are one entry (the history as one layer).
+        rendering: the template's text these ids stand for.
     """
 
     token_ids: tuple[int, ...]
     base_tokens: int
     turn_starts: tuple[int, ...]
+    rendering: str
 
 
 @dataclass(frozen=True)
@@ -74,10 +86,17 @@ class TurnDelta:
         closing_ids: the template's end of the previous turn (end-of-turn marker and separator);
             they belong to the previous turn's layer.
         turn_ids: the new turn's rendering up to the generation prompt.
+        rendering: the template's text of the whole conversation up to the generation prompt.
     """
 
     closing_ids: tuple[int, ...]
     turn_ids: tuple[int, ...]
+    rendering: str
+
+
+def rendering_digest(text: str) -> str:
+    """SHA-256 of a rendered conversation: what a cache records of the text its ids stand for."""
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ChatTemplate:
@@ -97,6 +116,7 @@ class ChatTemplate:
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_token_ids)
         self._user_prefix = self._probe_user_prefix()
+        self._reply_prefix = self._probe_reply_prefix()
 
     # -- public --------------------------------------------------------------------------------
 
@@ -122,10 +142,10 @@ class ChatTemplate:
         system = _system_messages(system_prompt)
         messages = system + _turn_messages(past)
         full = self._render([*messages, {"role": "user", "content": user_text}], True)
-        first = self._render([*system, {"role": "user", "content": _PROBE_USER}], False)
-        base_end = self._base_end(first)
-        if full[:base_end] != first[:base_end]:
+        base_text = self._system_text(system)
+        if not full.startswith(base_text):
             raise TemplateDivergence("the system prefix renders differently with the real messages")
+        base_end = len(base_text)
         ids: list[int] = list(self._encode(full[:base_end]))
         base_tokens = len(ids)
         turn_starts: list[int] = []
@@ -146,14 +166,62 @@ class ChatTemplate:
             cursor = next_start
         turn_starts.append(len(ids))
         ids += self._encode(full[cursor:])
-        return ConversationTokens(tuple(ids), base_tokens, tuple(turn_starts))
+        return ConversationTokens(tuple(ids), base_tokens, tuple(turn_starts), full)
 
-    def next_turn(self, system_prompt: str | None, past: Sequence[PastTurn], user_text: str) -> TurnDelta:
+    def whole_conversation(
+        self, system_prompt: str | None, past: Sequence[PastTurn], user_text: str
+    ) -> ConversationTokens:
+        """The stream exactly as the template renders the whole conversation now (one render),
+        for templates that rewrite history (`conversation` raised `TemplateDivergence`).
+
+        A reply rendered verbatim right after its turn's generation prompt is spliced in as its
+        generated ids; a reply the template rewrote is tokenised as rendered, with the text around
+        it. Layers are coarse: the system prefix when it renders as in a first turn, the earlier
+        turns as one layer, and the new turn from its user framing when that can be found.
+        """
+        system = _system_messages(system_prompt)
+        full = self._render([*system, *_turn_messages(past), {"role": "user", "content": user_text}], True)
+        base_text = self._system_text(system)
+        base_end = len(base_text) if full.startswith(base_text) else 0
+        ids: list[int] = list(self._encode(full[:base_end]))
+        base_tokens = len(ids)
+        cursor = search = base_end  # cursor: end of the text turned into ids; search: where to look next
+        for turn in past:
+            user_at = full.find(turn.user_text, search)
+            if user_at >= 0:
+                search = user_at + len(turn.user_text)
+            header_at = full.find(self._reply_prefix, search)
+            if header_at < 0:
+                break
+            search = header_at + len(self._reply_prefix)
+            content_end = search + len(turn.assistant_text)
+            if full[search:content_end] != turn.assistant_text:
+                continue  # rewritten: tokenised with the text that follows
+            ids += self._encode(full[cursor:search])
+            ids += self.content_ids(turn.assistant_ids)
+            cursor = search = content_end
+        new_turn_at = full.find(self._user_prefix, search) if past and self._user_prefix else -1
+        if new_turn_at >= 0:
+            ids += self._encode(full[cursor:new_turn_at])
+            cursor = new_turn_at
+        new_turn_start = len(ids)
+        ids += self._encode(full[cursor:])
+        starts = (base_tokens, new_turn_start) if new_turn_start > base_tokens else (base_tokens,)
+        return ConversationTokens(tuple(ids), base_tokens, starts, full)
+
+    def next_turn(
+        self, system_prompt: str | None, past: Sequence[PastTurn], user_text: str, *, cached_digest: str
+    ) -> TurnDelta:
         """Ids after the last reply's content for a new user message: three renders, whatever the
         length of the conversation. Requires at least one past turn.
 
+        Args:
+            cached_digest: the cache's `rendering_digest`; the conversation through the last
+                reply's content must render to the text it was taken of.
+
         Raises:
-            TemplateDivergence: if the earlier messages render differently with the new one added.
+            TemplateDivergence: if the earlier messages render differently with the new one added,
+                or differently from what the cache was computed from (a date in the template).
         """
         if not past:
             raise ValueError("next_turn needs a past turn; use conversation() for the first")
@@ -165,12 +233,15 @@ class ChatTemplate:
         content_end = content_start + len(last.assistant_text)
         if full[content_start:content_end] != last.assistant_text:
             raise TemplateDivergence("the last reply is not rendered verbatim")
+        if rendering_digest(full[:content_end]) != cached_digest:
+            raise TemplateDivergence("the cached part renders differently now (a date, or another template)")
         turn_start = self._prefix_length(full, messages, False)
         if turn_start < content_end:
             raise TemplateDivergence("the last reply's closing precedes its content")
         return TurnDelta(
             closing_ids=self._encode(full[content_end:turn_start]),
             turn_ids=self._encode(full[turn_start:]),
+            rendering=full,
         )
 
     # -- internals -----------------------------------------------------------------------------
@@ -207,6 +278,18 @@ class ChatTemplate:
             return ""
         end = full.find(_PROBE_NEXT, turn_start)
         return full[turn_start:end] if end >= 0 else ""
+
+    def _probe_reply_prefix(self) -> str:
+        """The text a reply's content follows (the generation prompt, e.g. `<|im_start|>assistant\\n`)."""
+        probe = [{"role": "user", "content": _PROBE_USER}]
+        closed = self._render(probe, False)
+        opened = self._render(probe, True)
+        return opened[len(closed) :] if opened.startswith(closed) else ""
+
+    def _system_text(self, system: list[dict[str, str]]) -> str:
+        """The system prefix (the base layer's text) of a first turn with these system messages."""
+        first = self._render([*system, {"role": "user", "content": _PROBE_USER}], False)
+        return first[: self._base_end(first)]
 
     def _base_end(self, first_turn_text: str) -> int:
         """End of the system prefix in a first-turn rendering whose user content is `_PROBE_USER`."""

@@ -6,8 +6,9 @@ Two ways to the first new token:
   prefill only the previous reply's unfed tokens, the template's closing of that turn and the new
   turn's framing and message (`ChatTemplate.next_turn`).
 - **rebuild** (first turn, no cache stored, a stored cache rejected, another model, or a template
-  that renders history differently): splice the whole conversation from the transcript
-  (`ChatTemplate.conversation`), take the base layer from the tenant's prefix pool when it is
+  that renders history differently, now or than when the cache was made): splice the whole
+  conversation from the transcript (`ChatTemplate.conversation`, or `whole_conversation` for a
+  template that rewrites history), take the base layer from the tenant's prefix pool when it is
   there, and prefill the kept turns plus the new one. A base that is nowhere yet (the first
   session with this system prompt) is prefilled in the same forward pass as the turn and then
   copied into the pool, so a first turn costs one pass, like a plain full prefill.
@@ -36,7 +37,7 @@ from cache.window_policy import (
     demote_by_rotation,
     kept_layers,
 )
-from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence
+from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence, rendering_digest
 from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine
 from sessions.errors import ContextTooLong
@@ -91,10 +92,12 @@ def transcript_digest(previous: str, turn: PastTurn | None, system_prompt: str |
 @dataclass(frozen=True)
 class TurnPlan:
     """Ids of the turn and how they split: `closing` ends the previous turn's layer (dropped when
-    that layer is demoted), `turn` starts the new layer."""
+    that layer is demoted), `turn` starts the new layer. `rendering`: the template's text of the
+    conversation up to the generation prompt."""
 
     closing: tuple[int, ...]
     turn: tuple[int, ...]
+    rendering: str = ""
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ class TurnRunner:
             source = _TIER_SOURCES[restored.source]
         plan = None
         if cache is not None:
-            plan = self._plan_reuse(transcript, user_text)
+            plan = self._plan_reuse(cache, transcript, user_text)
             if plan is None:
                 lease.discard()
                 cache = None
@@ -187,9 +190,11 @@ class TurnRunner:
             and last.turn_index == len(transcript.turns) - 1
         )
 
-    def _plan_reuse(self, transcript: Transcript, user_text: str) -> TurnPlan | None:
+    def _plan_reuse(self, cache: SessionCache, transcript: Transcript, user_text: str) -> TurnPlan | None:
         try:
-            delta = self.template.next_turn(transcript.system_prompt, transcript.turns, user_text)
+            delta = self.template.next_turn(
+                transcript.system_prompt, transcript.turns, user_text, cached_digest=cache.rendering_digest
+            )
         except TemplateDivergence as exc:
             log.info("chat template diverges (%s); re-prefilling from the transcript", exc)
             return None
@@ -197,7 +202,7 @@ class TurnRunner:
         # The last generated token was never fed; a stop token is replaced by the template's own
         # closing, any other token (length limit) must be fed first.
         unfed = () if not last or last[-1] in self.engine.stop_token_ids else (last[-1],)
-        return TurnPlan(closing=unfed + delta.closing_ids, turn=delta.turn_ids)
+        return TurnPlan(closing=unfed + delta.closing_ids, turn=delta.turn_ids, rendering=delta.rendering)
 
     def _prepare_reuse(
         self, cache: SessionCache, transcript: Transcript, plan: TurnPlan, params: SamplingParams
@@ -232,6 +237,7 @@ class TurnRunner:
             base_computed=0,
             user_token_ids=plan.closing + plan.turn,
             stream_before_reply=transcript.token_count + len(plan.closing) + len(plan.turn),
+            rendering=plan.rendering,
         )
 
     def _demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
@@ -264,21 +270,11 @@ class TurnRunner:
     ) -> _Prepared:
         try:
             conversation = self.template.conversation(transcript.system_prompt, transcript.turns, user_text)
-            ids, base_tokens, starts = (
-                conversation.token_ids,
-                conversation.base_tokens,
-                conversation.turn_starts,
-            )
         except TemplateDivergence as exc:
-            # No stable cut points: one layer for the whole history (re-tokenised), still exact
-            # for what the model sees now.
+            # No stable cut points: the template's own rendering of everything, history as one layer.
             log.warning("chat template has no stable prefix (%s); history becomes one layer", exc)
-            whole = self.template.conversation(transcript.system_prompt, [], _flatten(transcript, user_text))
-            ids, base_tokens, starts = (
-                whole.token_ids,
-                whole.base_tokens,
-                (whole.base_tokens, len(whole.token_ids)),
-            )
+            conversation = self.template.whole_conversation(transcript.system_prompt, transcript.turns, user_text)
+        ids, base_tokens, starts = conversation.token_ids, conversation.base_tokens, conversation.turn_starts
         base_ids = ids[:base_tokens]
         past_spans = []
         for index in range(len(starts) - 1):
@@ -324,6 +320,7 @@ class TurnRunner:
             # The same ids the reuse path records: everything after the previous turn's fed tokens.
             user_token_ids=tuple(ids[min(transcript.token_count, starts[-1]) :]),
             stream_before_reply=len(ids),
+            rendering=conversation.rendering,
             pending_base=pending_base,
         )
 
@@ -387,7 +384,8 @@ class TurnRunner:
             log.warning("turn %s is not pinned: it would leave no room in the window", unpinned)
         turn = PastTurn(user_text, detokenizer.text, tuple(generated))
         digest = transcript_digest(transcript.digest, turn, None)
-        cache = start.after_turn(working, appended, spans, transcript_digest=digest)
+        rendered = rendering_digest(prepared.rendering + detokenizer.text)
+        cache = start.after_turn(working, appended, spans, transcript_digest=digest, rendering_digest=rendered)
         finish: FinishReason = "stop" if generated and generated[-1] in engine.stop_token_ids else "length"
         stats = TurnStats(
             prefill_tokens=len(prepared.prefill) + prepared.base_computed,
@@ -446,6 +444,8 @@ class _Prepared:
         user_token_ids: ids recorded with the user message (its closing of the previous turn,
             framing and text, up to the generation prompt).
         stream_before_reply: conversation-stream length once the prefill is fed.
+        rendering: the template's text of the conversation up to the generation prompt; with the
+            reply's text it gives the new cache's `rendering_digest`.
         pending_base: set when `prefill` starts with the base layer's ids (`cache` then has no
             base); the base is copied into the pool after the turn.
     """
@@ -460,6 +460,7 @@ class _Prepared:
     base_computed: int
     user_token_ids: tuple[int, ...]
     stream_before_reply: int
+    rendering: str
     pending_base: _PendingBase | None = None
 
 
@@ -469,8 +470,3 @@ def _apply_pins(cache: SessionCache, pinned: set[int]) -> SessionCache:
         for span in cache.layers
     ]
     return cache.replace_layers(layers) if layers != list(cache.layers) else cache
-
-
-def _flatten(transcript: Transcript, user_text: str) -> str:
-    parts = [f"{turn.user_text}\n{turn.assistant_text}" for turn in transcript.turns]
-    return "\n".join([*parts, user_text])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -63,6 +65,17 @@ def test_exact_serialization_is_bit_identical_in_every_dtype() -> None:
             assert a.dtype == dtype and torch.equal(a, b)
         # The base travels as a reference only.
         assert sum(t.numel() for t in tensors.values()) == sum(t.numel() for t in (*cache.own_keys, *cache.own_values))
+
+
+@pytest.mark.parametrize("precision", ["exact", "int8"])
+def test_serialization_keeps_the_digests_that_decide_reuse(precision: str) -> None:
+    cache = replace(make_cache([40]), transcript_digest="t" * 64, rendering_digest="r" * 64)
+    tensors, header = session_cache_to_tensors(cache, precision)
+    restored = session_cache_from_tensors(tensors, header, "cpu")
+    assert (restored.transcript_digest, restored.rendering_digest) == ("t" * 64, "r" * 64)
+    # A blob written before the rendering digest existed: unknown, so the turn runner rebuilds.
+    del header["rendering_digest"]
+    assert session_cache_from_tensors(tensors, header, "cpu").rendering_digest == ""
 
 
 def test_lossy_offload_keeps_pinned_turns_and_recent_tokens_exact() -> None:
