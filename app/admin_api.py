@@ -1,9 +1,10 @@
 """The admin JSON API under `/admin/`: everything the `chatkv` CLI does, on the server's live manager.
 
-Every route needs `Authorization: Bearer <admin token>` (401 otherwise, compared in constant time).
-Errors are `{"error": "..."}` with the status of the `sessions.errors` type (404 for an unknown
-tenant, and for a session id of another tenant exactly as for a missing one). Routes are plain
-`def`s because the manager blocks on the model and the disk: FastAPI runs them in its threadpool.
+Every route needs `Authorization: Bearer <admin token>` (401 otherwise, compared in constant time,
+before the request's body is read). Errors are `{"error": "..."}` with the status of the
+`sessions.errors` type (404 for an unknown tenant, and for a session id of another tenant exactly as
+for a missing one). Routes are plain `def`s because the manager blocks on the model and the disk:
+FastAPI runs them in its threadpool.
 
     GET    /admin/tenants                         POST /admin/tenants {"name": ...}
     GET    /admin/tenants/{tenant}                DELETE /admin/tenants/{tenant}
@@ -19,40 +20,63 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
+from fastapi import APIRouter, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from app.admin_ops import AdminOps, Json
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
 
-_bearer = HTTPBearer(auto_error=False)
+UNAUTHORIZED_MESSAGE = "missing or wrong admin token"
 
 
-class _ErrorsAsJson(APIRoute):
-    """Answers domain, auth and validation errors of these routes as `{"error": "..."}` (a router
-    cannot register exception handlers, and the app's handlers would answer `{"detail": ...}`)."""
+def _admin_route_class(expected_token: bytes) -> type[APIRoute]:
+    """The route class of the admin routes: checks the token, then answers domain, HTTP and
+    validation errors as `{"error": "..."}` (a router cannot register exception handlers, and the
+    app's handlers would answer `{"detail": ...}`).
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
+    The token is checked here, before the route's handler runs, because FastAPI reads and parses a
+    request's body before it solves the route's dependencies: a dependency would let anyone make
+    the server read and parse a body of any size first.
+    """
 
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ChatKVError as exc:
-                return JSONResponse({"error": str(exc)}, status_code=exc.http_status)
-            except HTTPException as exc:
-                return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
-            except RequestValidationError as exc:
-                return JSONResponse({"error": _validation_message(exc)}, status_code=422)
+    class AdminRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
 
-        return route
+            async def route(request: Request) -> Response:
+                if not _has_token(request, expected_token):
+                    return JSONResponse(
+                        {"error": UNAUTHORIZED_MESSAGE},
+                        status_code=status.HTTP_401_UNAUTHORIZED,
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                try:
+                    return await handler(request)
+                except ChatKVError as exc:
+                    return JSONResponse({"error": str(exc)}, status_code=exc.http_status)
+                # Starlette's class: FastAPI raises it for a body it cannot parse (not UTF-8, say).
+                except HTTPException as exc:
+                    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+                except RequestValidationError as exc:
+                    return JSONResponse({"error": _validation_message(exc)}, status_code=422)
+
+            return route
+
+    return AdminRoute
+
+
+def _has_token(request: Request, expected_token: bytes) -> bool:
+    """`Authorization: Bearer <token>` with the admin token (compared in constant time)."""
+    scheme, credentials = get_authorization_scheme_param(request.headers.get("authorization"))
+    return scheme.lower() == "bearer" and hmac.compare_digest(credentials.encode(), expected_token)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -76,18 +100,8 @@ def admin_router(manager: SessionManager, token: str) -> APIRouter:
     """The `/admin/` routes over `manager`, guarded by `token`."""
     if not token:
         raise ValueError("the admin token must not be empty")
-    expected = token.encode()
-
-    def require_admin(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), expected):
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED,
-                "missing or wrong admin token",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
     ops = AdminOps.of(manager)
-    router = APIRouter(route_class=_ErrorsAsJson, dependencies=[Depends(require_admin)])
+    router = APIRouter(route_class=_admin_route_class(token.encode()))
 
     @router.get("/tenants")
     def list_tenants() -> list[Json]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
 from sessions.settings import MAX_DURATION_S, Settings
+from sessions.validation import valid_id
 from storage.database import make_engine, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
@@ -207,6 +208,8 @@ class AdminOps:
     def export_session(self, tenant: str, session_id: str) -> Json:
         """The session and its whole transcript, with each message's exact token ids."""
         record = self._tenant(tenant)
+        if not valid_id(session_id):
+            raise SessionNotFound(repr(session_id))
         session = self.metadata.get_session(tenant_id=record.id, session_id=session_id)
         if session is None:
             raise SessionNotFound(session_id)
@@ -291,6 +294,8 @@ class AdminOps:
     def _tenant(self, tenant: str) -> TenantRecord:
         if not isinstance(tenant, str) or not tenant:
             raise InvalidInput("a tenant name or id is required")
+        if not valid_id(tenant):
+            raise TenantNotFound(repr(tenant))
         record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_TENANT_ID_PREFIX) else None
         record = record or self.metadata.get_tenant(name=tenant)
         if record is None:
@@ -298,6 +303,8 @@ class AdminOps:
         return record
 
     def _messages(self, tenant_id: str, session_id: str) -> list[MessageRecord]:
+        if not valid_id(session_id):
+            raise SessionNotFound(repr(session_id))
         messages = self.metadata.messages(tenant_id=tenant_id, session_id=session_id)
         if messages is None:
             raise SessionNotFound(session_id)

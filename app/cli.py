@@ -28,7 +28,7 @@ from rich.table import Table
 from typer.core import TyperGroup, TyperOption
 
 from app.admin_client import AdminClient, AdminRequestFailed
-from storage.home_lock import HomeLockedError, check_unlocked, read_owner
+from storage.home_lock import HomeLockedError, check_unlocked, read_owner, recovery_hint
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -384,7 +384,7 @@ def _held_by_server(exc: HomeLockedError) -> str:
     owner = exc.owner
     return (
         f"another chatkv server (pid {owner.pid}, {owner.url or 'no URL'}) holds this home; "
-        "stop it or use another CHATKV_HOME"
+        f"stop it or use another CHATKV_HOME ({exc.recovery})"
     )
 
 
@@ -401,9 +401,14 @@ def chat_command(
     Replies stream as they are generated, followed by the turn's TTFT, prefilled and reused tokens
     and where the cache came from. Type /quit or press Ctrl-D to leave.
     """
-    owner = read_owner(_home(ctx.obj))
+    home = _home(ctx.obj)
+    owner = read_owner(home)
     if owner is not None:
-        raise CLIError(f"a chatkv server (pid {owner.pid}) holds this home: chat in its UI at {owner.url}", 2)
+        raise CLIError(
+            f"a chatkv server (pid {owner.pid}) holds this home: chat in its UI at {owner.url} "
+            f"({recovery_hint(home, owner)})",
+            2,
+        )
     if session is not None and system is not None:
         raise CLIError("--system applies to a new session: omit --session", 2)
     settings = _settings(ctx.obj)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from app.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
 from storage.atomic_files import write_atomic
 
 if TYPE_CHECKING:
@@ -76,12 +77,15 @@ def admin_token(home: Path, configured: str | None) -> str:
     return path.read_text().strip()
 
 
-def build_app(manager: SessionManager, *, local: bool, token: str) -> FastAPI:
+def build_app(
+    manager: SessionManager, *, local: bool, token: str, body_limits: BodyLimits = DEFAULT_BODY_LIMITS
+) -> FastAPI:
     """The whole server app for `manager`. Its `state.chat_ui` is the chat page's `ChatUI`.
 
     Args:
         local: single-tenant local mode (no API key asked; the UI uses the `local` tenant).
         token: the admin token the `/admin/` routes require.
+        body_limits: the largest request body per path (413 above it; see `app.body_limits`).
     """
     import gradio as gr
 
@@ -101,14 +105,17 @@ def build_app(manager: SessionManager, *, local: bool, token: str) -> FastAPI:
     def healthz() -> dict[str, str]:
         return {"status": "ok", "model": manager.model_name}
 
+    app.add_middleware(BodyLimitMiddleware, limits=body_limits)
     # Gradio's run history would keep what was typed (API keys, messages) in the browser's storage,
-    # and its API page documents event endpoints that are internal to this page: both off.
+    # and its API page documents event endpoints that are internal to this page: both off. The page
+    # has no file input, so no upload is accepted (the body limits refuse them before Gradio too).
     return gr.mount_gradio_app(
         app,
         build_ui(manager, local=local, chat_ui=chat_ui),
         path="/",
         footer_links=[],
         run_history=False,
+        max_file_size=0,
         ssr_mode=False,
         css=UI_CSS,
         i18n=gr.I18n(**UI_TRANSLATIONS),

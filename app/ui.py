@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import html
 import logging
+import math
 import queue
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
 
-from sessions.errors import ChatKVError, TenantExists, TenantNotFound
+from sessions.errors import ChatKVError, InvalidInput, TenantExists, TenantNotFound
 from sessions.records import Reply, SessionInfo, Tenant, TurnStats
 
 if TYPE_CHECKING:
@@ -410,6 +411,11 @@ class ChatUI:
         if not text.strip():
             yield _view(state, error_line=_error_html("type a message first"))
             return
+        try:
+            max_tokens, temperature = _slider_values(max_new_tokens, temperature)
+        except InvalidInput as exc:
+            yield _view(state, error_line=_error_html(str(exc)))
+            return
         session_id = state.session_id
         created = session_id is None
         try:
@@ -426,8 +432,8 @@ class ChatUI:
                 tenant,
                 session_id,
                 text,
-                max_new_tokens=int(max_new_tokens),
-                temperature=float(temperature),
+                max_new_tokens=max_tokens,
+                temperature=temperature,
                 delete_on_failure=created,
             )
         )
@@ -649,6 +655,24 @@ def local_tenant(manager: SessionManager) -> Tenant:
         return manager.create_tenant(LOCAL_TENANT)
     except TenantExists:  # another tab created it at the same moment
         return manager.get_tenant(LOCAL_TENANT)
+
+
+def _slider_values(max_new_tokens: float, temperature: float) -> tuple[int, float]:
+    """The sliders' values as `stream_chat` arguments (the manager checks their ranges). A client
+    can send any JSON number, NaN and infinity included, which `int` cannot convert.
+
+    Raises:
+        InvalidInput: for a value that is not a finite number.
+    """
+    if not _finite(max_new_tokens):
+        raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not _finite(temperature):
+        raise InvalidInput(f"temperature must be a number >= 0, got {temperature!r}")
+    return int(max_new_tokens), float(temperature)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # -- rendering -----------------------------------------------------------------------------------

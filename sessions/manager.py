@@ -51,6 +51,7 @@ from sessions.records import Message, Reply, RestoreResult, Role, SessionInfo, T
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
 from sessions.turns import Transcript, TurnOutcome, TurnRunner
+from sessions.validation import check_text, valid_id
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, secure_erase_freed_pages, upgrade
@@ -245,7 +246,7 @@ class SessionManager:
         if isinstance(tenant, Tenant):
             record = self.metadata.get_tenant(tenant_id=tenant.id)
         elif isinstance(tenant, str):
-            if not _valid_id(tenant):
+            if not valid_id(tenant):
                 raise TenantNotFound(repr(tenant))
             record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_ID_PREFIX_TENANT) else None
             record = record or self.metadata.get_tenant(name=tenant)
@@ -322,9 +323,9 @@ class SessionManager:
         """
         tenant_id = self._tenant_id(tenant)
         if system_prompt is not None:
-            _check_text(system_prompt, "system_prompt")
+            check_text(system_prompt, "system_prompt", MAX_MESSAGE_CHARS)
         if title is not None:
-            _check_text(title, "title", MAX_TITLE_CHARS)
+            check_text(title, "title", MAX_TITLE_CHARS)
         if system_prompt:
             # The system prompt is pinned in every turn's window; leave room for a short turn.
             needed = len(self.template.system_prefix_ids(system_prompt)) + MIN_TURN_TOKENS
@@ -347,7 +348,7 @@ class SessionManager:
         return CacheKey(self._tenant_id(tenant), str(session_id))
 
     def _session_record(self, tenant_id: TenantId, session_id: str) -> SessionRecord:
-        if not _valid_id(session_id):
+        if not valid_id(session_id):
             raise SessionNotFound(repr(session_id))
         record = self.metadata.get_session(tenant_id=tenant_id, session_id=str(session_id))
         if record is None:
@@ -380,7 +381,7 @@ class SessionManager:
 
     def history(self, tenant: TenantRef, session_id: str) -> list[Message]:
         tenant_id = self._tenant_id(tenant)
-        records = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) if _valid_id(session_id) else None
+        records = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) if valid_id(session_id) else None
         if records is None:
             raise SessionNotFound(str(session_id))
         return [_message(record) for record in records]
@@ -541,7 +542,7 @@ class SessionManager:
             ContextTooLong: the message plus `max_new_tokens` cannot fit the context window.
         """
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-        _check_text(message, "message")
+        check_text(message, "message", MAX_MESSAGE_CHARS)
         if not message.strip():
             raise InvalidInput("message must be a non-empty string")
         tenant_id = self._tenant_id(tenant)
@@ -679,30 +680,6 @@ class SessionManager:
             "model_fingerprint": self.engine.fingerprint,
             "context_budget_tokens": self.context_budget_tokens,
         }
-
-
-def _check_text(value: object, what: str, max_chars: int = MAX_MESSAGE_CHARS) -> None:
-    """Raises `InvalidInput` unless `value` is a string of valid Unicode text (no lone surrogates,
-    which cannot be encoded) of at most `max_chars` characters."""
-    if not isinstance(value, str):
-        raise InvalidInput(f"{what} must be a string, got {type(value).__name__}")
-    if len(value) > max_chars:
-        raise InvalidInput(f"{what} longer than {max_chars:,} characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidInput(f"{what} is not valid Unicode text (it contains a lone surrogate)") from None
-
-
-def _valid_id(value: object) -> bool:
-    """Ids and names reach the database: anything that is not encodable text is simply not found."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _resolve_device(device: str) -> str:

@@ -2,8 +2,13 @@
 process (admin commands without `--server`, a second server or embedded manager) refuses to touch
 stores a running process owns.
 
-The lock file (`server.lock`, JSON with pid and URL) is created exclusively; a lock whose pid is
-no longer alive is stale and is taken over.
+The lock file (`server.lock`, JSON with pid, URL and the process's start time) is created
+exclusively; a lock whose process is gone is stale and is taken over. A pid alone does not name a
+process: after a crash and a restart (of the machine, or of a container, where pids start again
+at 1) the recorded pid can belong to an unrelated live process. So the lock also records the
+process's start time (field 22 of `/proc/<pid>/stat`, clock ticks since boot) with the boot id,
+and a lock whose pid now has another start time is stale too. Without `/proc` (or for a lock
+written without a start time) only the pid is compared, and the error says how to recover.
 """
 
 from __future__ import annotations
@@ -21,18 +26,39 @@ LOCK_FILE = "server.lock"
 class HomeLockedError(Exception):
     """Another live process holds the home."""
 
-    def __init__(self, owner: LockOwner) -> None:
+    def __init__(self, owner: LockOwner, home: Path) -> None:
+        self.owner = owner
+        self.recovery = recovery_hint(home, owner)
         super().__init__(
             f"a chatkv server (pid {owner.pid}, {owner.url or 'no URL'}) holds this home; "
-            "use --server URL (or CHATKV_SERVER) to go through its admin API"
+            f"use --server URL (or CHATKV_SERVER) to go through its admin API ({self.recovery})"
         )
-        self.owner = owner
 
 
 @dataclass(frozen=True)
 class LockOwner:
     pid: int
     url: str | None
+    started: str | None = None
+    """`<boot id>:<start time in clock ticks>` of the process, `None` where unknown."""
+
+
+def recovery_hint(home: Path, owner: LockOwner) -> str:
+    """What to do when the lock's pid is not a chatkv process (a lock this process cannot tell is stale)."""
+    return f"if pid {owner.pid} is not a chatkv process, delete {home / LOCK_FILE}"
+
+
+def process_started(pid: int) -> str | None:
+    """`<boot id>:<start time>` of a process (see the module docstring); `None` without `/proc`, or
+    once the process is gone."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (the command name) is in parentheses and may hold spaces and ')'; field 3 follows the last ')'.
+    fields = stat[stat.rindex(")") + 1 :].split()
+    return f"{boot_id}:{fields[22 - 3]}"
 
 
 def _alive(pid: int) -> bool:
@@ -50,17 +76,26 @@ def read_owner(home: Path) -> LockOwner | None:
     path = home / LOCK_FILE
     try:
         data = json.loads(path.read_text())
-        owner = LockOwner(int(data["pid"]), data.get("url"))
+        owner = LockOwner(int(data["pid"]), data.get("url"), data.get("started"))
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
-    return owner if owner.pid != os.getpid() and _alive(owner.pid) else None
+    return owner if owner.pid != os.getpid() and _holds(owner) else None
+
+
+def _holds(owner: LockOwner) -> bool:
+    """Whether the process that wrote the lock still runs: its pid is alive and, where both start
+    times are known, it is the same process (not a later one that was given the same pid)."""
+    if not _alive(owner.pid):
+        return False
+    started = process_started(owner.pid)
+    return owner.started is None or started is None or owner.started == started
 
 
 def check_unlocked(home: Path) -> None:
     """Raises `HomeLockedError` if a live server holds `home`."""
     owner = read_owner(home)
     if owner is not None:
-        raise HomeLockedError(owner)
+        raise HomeLockedError(owner, home)
 
 
 _held: dict[Path, int] = {}
@@ -108,7 +143,8 @@ class HomeLock:
                     self.path.unlink()
 
     def _payload(self) -> bytes:
-        return json.dumps({"pid": os.getpid(), "url": self.url}).encode()
+        pid = os.getpid()
+        return json.dumps({"pid": pid, "url": self.url, "started": process_started(pid)}).encode()
 
     def _write_owner(self) -> None:
         self.path.write_bytes(self._payload())
@@ -127,7 +163,7 @@ class HomeLock:
                 handle.write(self._payload())
             return
         owner = read_owner(self.path.parent)
-        raise HomeLockedError(owner or LockOwner(-1, None))
+        raise HomeLockedError(owner or LockOwner(-1, None), self.path.parent)
 
     def __enter__(self) -> HomeLock:
         return self.acquire()

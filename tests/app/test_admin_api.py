@@ -70,6 +70,18 @@ def test_every_route_needs_the_admin_token(
     assert [t.name for t in tiny_manager.list_tenants()] == ["acme"]
 
 
+def test_the_token_is_checked_before_the_body_is_parsed(client: TestClient) -> None:
+    client.headers.pop("Authorization")
+    for body in (b"{not json", b'{"name": "\xff"}', b"[" * 100_000):
+        response = client.post("/admin/tenants", content=body, headers={"Content-Type": "application/json"})
+        assert (response.status_code, response.json()) == (401, {"error": "missing or wrong admin token"})
+
+
+def test_a_body_that_is_not_utf8_is_an_error_like_any_other(client: TestClient) -> None:
+    response = client.post("/admin/tenants", content=b'{"name": "\xff"}', headers={"Content-Type": "application/json"})
+    assert (response.status_code, response.json()) == (400, {"error": "There was an error parsing the body"})
+
+
 def test_tenants_crud(client: TestClient, tiny_manager: SessionManager) -> None:
     created = client.post("/admin/tenants", json={"name": "acme"})
     assert created.status_code == 201

@@ -422,13 +422,15 @@ def locked_home(home: Path) -> Iterator[int]:
         ("serve",),
     ],
 )
-def test_refuses_while_a_server_holds_the_home(cli: Cli, locked_home: int, args: tuple[str, ...]) -> None:
+def test_refuses_while_a_server_holds_the_home(cli: Cli, home: Path, locked_home: int, args: tuple[str, ...]) -> None:
     line = assert_one_line_error(cli(*args))
     assert f"pid {locked_home}" in line and "http://127.0.0.1:7999" in line
+    assert line.endswith(f"(if pid {locked_home} is not a chatkv process, delete {home / 'server.lock'})")
     if args == ("serve",):  # going through the server's admin API is no answer to serve
         assert line == (
             f"error: another chatkv server (pid {locked_home}, http://127.0.0.1:7999) holds this home; "
-            "stop it or use another CHATKV_HOME"
+            f"stop it or use another CHATKV_HOME (if pid {locked_home} is not a chatkv process, "
+            f"delete {home / 'server.lock'})"
         )
 
 

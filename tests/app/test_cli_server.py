@@ -156,7 +156,8 @@ def test_serve_on_a_home_held_by_a_server_says_so(server: Server) -> None:
     )
     assert one_line_error(held, 2) == (
         f"error: another chatkv server (pid {server.pid}, {server.url}) holds this home; "
-        "stop it or use another CHATKV_HOME"
+        f"stop it or use another CHATKV_HOME (if pid {server.pid} is not a chatkv process, "
+        f"delete {server.home / 'server.lock'})"
     )
 
 

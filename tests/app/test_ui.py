@@ -181,6 +181,26 @@ def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: Sess
     assert [v.error_line for v in empty] == [_error_html("type a message first")]
 
 
+@pytest.mark.parametrize(
+    ("max_new_tokens", "temperature", "message"),
+    [
+        (float("nan"), 0.0, "max_new_tokens must be a positive integer, got nan"),
+        (float("inf"), 0.0, "max_new_tokens must be a positive integer, got inf"),
+        (6, float("nan"), "temperature must be a number >= 0, got nan"),
+        (6, float("-inf"), "temperature must be a number >= 0, got -inf"),
+    ],
+)
+def test_slider_values_that_are_not_finite_numbers_are_one_line_errors(
+    tiny_manager: SessionManager, max_new_tokens: float, temperature: float, message: str
+) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    [view] = ui.send("hi", max_new_tokens, temperature, state)
+    assert view.error_line == _error_html(message)
+    assert view.state == state  # no session started
+    assert tiny_manager.list_sessions(LOCAL_TENANT) == []
+
+
 def test_a_second_turn_in_flight_on_the_session_is_refused(tiny_manager: SessionManager) -> None:
     ui = ChatUI(tiny_manager, local=True)
     state = ui.new_session("", "", ui.on_load(ViewState()).state).state

@@ -4,11 +4,18 @@ and, when `CHATKV_TEST_POSTGRES_URL` answers, on a fresh PostgreSQL schema."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
+from app.admin_api import admin_router
+from app.admin_ops import AdminOps
 from sessions.engine import Engine
+from sessions.errors import ChatKVError, InvalidInput, SessionNotFound, TenantNotFound
 from sessions.manager import SessionManager
 from storage.database import make_engine
 from tests.conftest import make_settings
@@ -41,3 +48,54 @@ def test_sessions_resume_warm_and_tenants_are_shredded(db_url: str, tmp_path: Pa
         assert "cache_blobs" in inspect(engine).get_table_names()
     finally:
         engine.dispose()
+
+
+def test_a_nul_character_is_refused_before_any_work_and_alike_on_every_database(
+    db_url: str, tmp_path: Path, tiny_engine: Engine
+) -> None:
+    """PostgreSQL cannot store U+0000 in text, SQLite can: text with one is `InvalidInput` before the
+    model runs, and an id or a tenant name with one names nothing, on both."""
+    home = tmp_path / "home"
+    with open_manager(home, tiny_engine, db_url) as manager:
+        acme = manager.create_tenant("acme")
+        sid = manager.open_session(acme)
+        refused: list[tuple[Callable[[], object], type[ChatKVError], str]] = [
+            (lambda: manager.chat(acme, sid, "a\x00b", max_new_tokens=2), InvalidInput, "message contains a NUL"),
+            (lambda: manager.open_session(acme, title="a\x00b"), InvalidInput, "title contains a NUL"),
+            (lambda: manager.open_session(acme, system_prompt="\x00"), InvalidInput, "system_prompt contains a NUL"),
+            (lambda: manager.create_tenant("acme\x00"), InvalidInput, "invalid tenant name"),
+            (lambda: manager.chat(acme, "s\x00x", "hi", max_new_tokens=2), SessionNotFound, "session not found"),
+            (lambda: manager.history(acme, sid + "\x00"), SessionNotFound, "session not found"),
+            (lambda: manager.session_info(acme, "s\x00x"), SessionNotFound, "session not found"),
+            (lambda: manager.delete_session(acme, "s\x00x"), SessionNotFound, "session not found"),
+            (lambda: manager.get_tenant("acme\x00"), TenantNotFound, "tenant not found"),
+            (lambda: manager.list_sessions("acme\x00"), TenantNotFound, "tenant not found"),
+            (lambda: manager.chat("acme\x00", sid, "hi", max_new_tokens=2), TenantNotFound, "tenant not found"),
+        ]
+        for call, error, message in refused:
+            with pytest.raises(error, match=message):
+                call()
+        assert manager.stats()["prefill_tokens"] == 0  # the model never ran
+        assert [s.id for s in manager.list_sessions(acme)] == [sid] and manager.history(acme, sid) == []
+
+        app = FastAPI()
+        app.include_router(admin_router(manager, "t0ken"), prefix="/admin")
+        with TestClient(app, headers={"Authorization": "Bearer t0ken"}) as client:
+            answers = [
+                (client.get("/admin/sessions/s%00x", params={"tenant": "acme"}), 404, "session not found: 's\\x00x'"),
+                (client.get("/admin/sessions/s%00x/export", params={"tenant": "acme"}), 404, "session not found"),
+                (client.delete("/admin/sessions/s%00x", params={"tenant": "acme"}), 404, "session not found"),
+                (client.get("/admin/sessions?tenant=acme%00"), 404, "tenant not found: 'acme\\x00'"),
+                (client.get("/admin/tenants/acme%00"), 404, "tenant not found"),
+                (client.post("/admin/tenants", json={"name": "a\x00b"}), 400, "invalid tenant name"),
+            ]
+            for response, status, message in answers:
+                assert response.status_code == status and response.json()["error"].startswith(message)
+
+    with AdminOps.open_home(make_settings(home, database_url=db_url)) as ops:  # the CLI without a server
+        with pytest.raises(TenantNotFound):
+            ops.show_tenant("acme\x00")
+        with pytest.raises(TenantNotFound):
+            ops.list_sessions(tenant="acme\x00")
+        with pytest.raises(SessionNotFound):
+            ops.export_session("acme", "s\x00x")
