@@ -161,10 +161,9 @@ def warm_up(engine: Engine) -> None:
     """One short prefill and a few decode steps outside any measurement (kernel and allocator set-up)."""
     ids = engine.tokenizer.encode(PARAGRAPHS[0], add_special_tokens=False)[:96]
     working = engine.empty_cache(None).to_working_cache(len(ids) + 8)
-    logits = engine.prefill(working, ids)
     from sessions.sampling import SamplingParams
 
-    for _ in engine.decode(working, logits, SamplingParams(max_new_tokens=4)):
+    for _ in engine.generate(working, ids, SamplingParams(max_new_tokens=4)):
         pass
     naive_first_token(engine, [{"role": "user", "content": PARAGRAPHS[1]}])
     sync(engine)

@@ -98,13 +98,7 @@ def build(manager: SessionManager, tenant: Any, messages: list[str], reply_token
 @torch.inference_mode()
 def greedy_reply(engine: Engine, cache: SessionCache, prefill: tuple[int, ...], max_new: int) -> tuple[int, ...]:
     working = cache.to_working_cache(len(prefill) + max_new)
-    logits = engine.prefill(working, prefill)
-    tokens: list[int] = []
-    for token in engine.decode(working, logits, SamplingParams(max_new_tokens=max_new)):
-        tokens.append(token)
-        if token in engine.stop_token_ids:
-            break
-    return tuple(tokens)
+    return tuple(engine.generate(working, prefill, SamplingParams(max_new_tokens=max_new)))
 
 
 @torch.inference_mode()

@@ -115,6 +115,8 @@ class TierUsage:
     sessions: dict[Tier, int]
     budgets: dict[Tier, int]
     device_bytes_by_tenant: dict[TenantId, int] = field(default_factory=dict)
+    reserved_device_bytes: int = 0
+    """Device bytes reserved by running requests' working buffers (not part of `bytes`)."""
 
 
 class TierManager:
@@ -164,6 +166,7 @@ class TierManager:
         self._hurry = 0
         self._last_turn_end = time.monotonic()
         self._turn_ended = threading.Condition(self._lock)
+        self._reserved_device_bytes = 0
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -409,7 +412,7 @@ class TierManager:
                 Tier.HOST: self.budgets.host_bytes,
                 Tier.DISK: self.budgets.disk_bytes,
             }
-            return TierUsage(sizes, counts, budgets, by_tenant)
+            return TierUsage(sizes, counts, budgets, by_tenant, self._reserved_device_bytes)
 
     def enforce_budgets(self) -> None:
         """Move least-recently-used idle caches down until every tier is within budget."""
@@ -420,13 +423,37 @@ class TierManager:
                     if freed is None:
                         break
                     used -= freed
-            while self.usage().bytes[Tier.DEVICE] > self.budgets.device_bytes:
+            while self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes > self.budgets.device_bytes:
                 if self._evict_one_from_device(None) is None:
                     break
             while self.usage().bytes[Tier.HOST] > self.budgets.host_bytes:
                 if not self._move_lru(Tier.HOST):
                     break
             self._enforce_disk_budget()
+
+    def reserve_device_bytes(self, nbytes: int, *, force: bool) -> bool:
+        """Reserve device bytes for a request's working KV buffer (the engine loop's admission),
+        moving idle caches down first. Returns `False`, reserving nothing, when even then the
+        device budget would be exceeded, unless `force` (a request that runs alone).
+
+        Raises:
+            ValueError: if `nbytes` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            self._reserved_device_bytes += nbytes
+            self.enforce_budgets()
+            if force or self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes <= self.budgets.device_bytes:
+                return True
+            self._reserved_device_bytes -= nbytes
+            return False
+
+    def release_device_bytes(self, nbytes: int) -> None:
+        """Give back a reservation of `reserve_device_bytes` (the request finished or was cancelled)."""
+        with self._lock:
+            self._reserved_device_bytes = max(0, self._reserved_device_bytes - nbytes)
+            self._turn_ended.notify_all()
 
     def _enforce_disk_budget(self) -> None:
         """Under the lock: drop the oldest disk blobs until the disk tier is within budget."""
@@ -692,6 +719,10 @@ class Lease:
         self._manager = manager
         self._entry = entry
         self.committed = False
+
+    @property
+    def key(self) -> CacheKey:
+        return self._entry.key
 
     def restore(self) -> Restored:
         """Bring the session's cache to the device (decrypt, decode, attach the base)."""

@@ -121,6 +121,7 @@ class SessionManager:
         if engine is None:
             device = _resolve_device(settings.device)
             engine = Engine(load_model(settings.model, settings.resolved_model_cache_dir, device, settings.dtype))
+        engine.loop.configure(settings.scheduler_config())
         self.engine = engine
         budget = settings.context_budget_tokens or int(engine.max_context_tokens * 0.8)
         if budget > engine.max_context_tokens:
@@ -168,6 +169,8 @@ class SessionManager:
             self.metrics.integrity_failures.labels(Tier.DISK.value).inc(self.disk_store.damaged_at_start)
         remove_temp_files(settings.home)
         self.metrics.watch_tiers(self.tiers.usage)
+        self.metrics.watch_engine(engine.loop.stats)
+        engine.loop.add_observer(self.metrics)
         self.sealer = sealer
         self.template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
         self.runner = TurnRunner(
@@ -191,6 +194,7 @@ class SessionManager:
         if self._closed:
             return
         self._closed = True
+        self.engine.loop.remove_observer(self.metrics)
         try:
             self.tiers.persist_all()
             self.tiers.close()
@@ -265,6 +269,7 @@ class SessionManager:
         tenant_id = self._tenant_id(tenant)
         self.metadata.set_tenant_key(tenant_id=tenant_id, wrapped_data_key=None, master_key_id=None)
         self.keys.forget(tenant_id)
+        self.runner.cancel_requests(tenant_id)
         self.tiers.forget_tenant(tenant_id)
         with self._lock:
             for key in [k for k in self._transcripts if k[0] == tenant_id]:
@@ -391,6 +396,7 @@ class SessionManager:
         it meanwhile), then its rows. A turn in flight on it fails with `SessionNotFound`."""
         tenant_id = self._tenant_id(tenant)
         record = self._session_record(tenant_id, session_id)
+        self.runner.cancel_requests(tenant_id, SessionId(record.id))
         self.tiers.forget(CacheKey(tenant_id, record.id))
         with self._lock:
             self._transcripts.pop((tenant_id, SessionId(record.id)), None)
@@ -621,7 +627,7 @@ class SessionManager:
             self._transcripts.move_to_end((tenant_id, session_id))
         s = reply.stats
         self.metrics.record_turn(
-            tenant_id, s.prefill_tokens, s.reused_tokens, s.decode_tokens, s.ttft_s, s.restored_from
+            tenant_id, s.prefill_tokens, s.reused_tokens, s.decode_tokens, s.ttft_s, s.restored_from, s.queue_s
         )
 
     def _transcript(self, tenant_id: TenantId, session_id: SessionId, record: SessionRecord) -> Transcript:

@@ -14,8 +14,11 @@ from prometheus_client.registry import Collector
 
 from cache.tier_manager import TierUsage
 from cache.tiers import Tier
+from sessions.engine.loop import BUSY_WINDOW_S, LoopStats
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
 
 
 class _TierCollector(Collector):
@@ -34,6 +37,32 @@ class _TierCollector(Collector):
             budget.add_metric([tier.value], usage.budgets[tier])
             ratio.add_metric([tier.value], usage.bytes[tier] / max(1, usage.budgets[tier]))
         yield from (size, count, budget, ratio)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the engine loop at scrape time."""
+
+    def __init__(self, stats: Callable[[], LoopStats], tenant_labels: bool) -> None:
+        self._stats = stats
+        self._tenant_labels = tenant_labels
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        stats = self._stats()
+        label = ["tenant"]
+        running = GaugeMetricFamily("chatkv_requests_running", "Turns running in the engine loop", labels=label)
+        waiting = GaugeMetricFamily("chatkv_requests_waiting", "Turns waiting for admission", labels=label)
+        for family, counts in ((running, stats.running), (waiting, stats.waiting)):
+            if self._tenant_labels:
+                for tenant, count in sorted(counts.items()):
+                    family.add_metric([tenant], count)
+            else:  # one series for all tenants: tenant ids are unbounded label values
+                family.add_metric(["*"], sum(counts.values()))
+        busy = GaugeMetricFamily(
+            "chatkv_engine_busy_ratio",
+            f"Share of the last {BUSY_WINDOW_S:.0f} s of wall time the engine loop spent in forward passes",
+        )
+        busy.add_metric([], stats.busy_fraction)
+        yield from (running, waiting, busy)
 
 
 class Metrics:
@@ -84,9 +113,33 @@ class Metrics:
         self.ttft_seconds = Histogram(
             "chatkv_ttft_seconds", "Time to first token", buckets=_SECONDS_BUCKETS, registry=r
         )
+        self.queue_seconds = Histogram(
+            "chatkv_queue_seconds",
+            "Time from submitting a turn to the engine loop to the first step that ran it",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.step_requests = Histogram(
+            "chatkv_step_requests", "Requests packed into one engine step", buckets=_COUNT_BUCKETS, registry=r
+        )
+        self.step_tokens = Histogram(
+            "chatkv_step_tokens", "Tokens fed in one engine step", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.step_seconds = Histogram(
+            "chatkv_step_seconds", "Forward-pass time of one engine step", buckets=_SECONDS_BUCKETS, registry=r
+        )
 
     def watch_tiers(self, usage: Callable[[], TierUsage]) -> None:
         self.registry.register(_TierCollector(usage))
+
+    def watch_engine(self, stats: Callable[[], LoopStats]) -> None:
+        self.registry.register(_EngineCollector(stats, self._tenant_labels))
+
+    def step(self, requests: int, tokens: int, forward_s: float) -> None:
+        """`StepObserver` of the engine loop."""
+        self.step_requests.observe(requests)
+        self.step_tokens.observe(tokens)
+        self.step_seconds.observe(forward_s)
 
     def record_turn(
         self,
@@ -96,6 +149,7 @@ class Metrics:
         decode_tokens: int,
         ttft_s: float,
         restored_from: str,
+        queue_s: float = 0.0,
     ) -> None:
         self.cache_queries.labels("tokens").inc(prefill_tokens + reused_tokens)
         self.cache_hits.labels("tokens").inc(reused_tokens)
@@ -107,6 +161,7 @@ class Metrics:
         self.decode_tokens.inc(decode_tokens)
         self.turns.labels(restored_from).inc()
         self.ttft_seconds.observe(ttft_s)
+        self.queue_seconds.observe(queue_s)
         if self._tenant_labels:
             self.tenant_turns.labels(tenant_id).inc()
 

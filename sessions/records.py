@@ -71,6 +71,8 @@ class TurnStats:
     """Tokens of turn layers demoted out of the context window before this turn."""
     cache_tokens: int = 0
     """Tokens held in the session cache after the turn (window size)."""
+    queue_s: float = 0.0
+    """From submitting the turn to the engine loop to the first step that ran it (part of `ttft_s`)."""
 
 
 @dataclass(frozen=True)

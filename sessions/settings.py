@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import platformdirs
 
+from sessions.engine.config import SchedulerConfig
+
 Precision = Literal["exact", "int8", "int4"]
 PersistMode = Literal["on_evict", "write_back"]
 
@@ -125,6 +127,16 @@ class Settings:
     quant_residual_tokens: int = 32
     """Most recent tokens of a session kept in full precision when turn layers are quantised (KIVI)."""
 
+    max_step_tokens: int = 256
+    """Tokens per engine step (one forward pass): every running decode's next token plus chunks of
+    pending prefills. Bounds how long a long prefill holds the running decodes back."""
+    max_running_requests: int = 32
+    """Turns holding a working KV buffer at once; more wait in the queue."""
+    max_running_per_tenant: int = 0
+    """Running turns one tenant may have (0: `max_running_requests`)."""
+    max_batch_requests: int = 0
+    """Turns per forward pass (0: every running turn). 1 turns batching off (turns take turns)."""
+
     admin_token: str | None = field(default=None, repr=False)
     session_retention_s: float | None = None
     """Sessions idle longer than this are removed by `gc`; `None` keeps them forever."""
@@ -149,6 +161,7 @@ class Settings:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.session_retention_s is not None and not 0 < self.session_retention_s <= MAX_DURATION_S:
             raise ValueError(f"session_retention_s must be in (0, 100 years], got {self.session_retention_s}")
+        self.scheduler_config()  # raises ValueError for a bad engine limit
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         self._derive_budgets()
@@ -186,7 +199,16 @@ class Settings:
             free = 4 * 2**30
         return max(2**28, min(free // 4, 64 * 2**30))
 
-    # -- derived paths -------------------------------------------------------------------------
+    # -- derived values --------------------------------------------------------------------------
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine loop's limits from these settings."""
+        return SchedulerConfig(
+            max_step_tokens=self.max_step_tokens,
+            max_running_requests=self.max_running_requests,
+            max_running_per_tenant=self.max_running_per_tenant,
+            max_batch_requests=self.max_batch_requests,
+        )
 
     @property
     def resolved_database_url(self) -> str:
@@ -231,7 +253,15 @@ def _parse_field(name: str, raw: str) -> Any:
         return parse_bytes(raw)
     if name.endswith("_s"):
         return parse_duration_s(raw)
-    if name in ("context_budget_tokens", "quant_residual_tokens", "threads"):
+    if name in (
+        "context_budget_tokens",
+        "quant_residual_tokens",
+        "threads",
+        "max_step_tokens",
+        "max_running_requests",
+        "max_running_per_tenant",
+        "max_batch_requests",
+    ):
         return int(raw)
     if name in ("pin_first_turn", "share_base", "metrics_tenant_labels"):
         lowered = raw.strip().lower()

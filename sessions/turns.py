@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.prefix_pool import prefix_key
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache, WorkingCache
 from cache.tier_manager import Lease, TierManager
-from cache.tiers import Tier
+from cache.tiers import CacheKey, Tier
 from cache.window_policy import (
     MIN_TURN_TOKENS,
     ContextOverflow,
@@ -39,8 +41,8 @@ from cache.window_policy import (
 )
 from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence, rendering_digest
 from sessions.detokenizer import IncrementalDetokenizer
-from sessions.engine import Engine
-from sessions.errors import ContextTooLong
+from sessions.engine import Engine, Request, RequestResult
+from sessions.errors import ContextTooLong, SessionNotFound
 from sessions.records import FinishReason, Reply, RestoreSource, TurnStats
 from sessions.sampling import SamplingParams
 
@@ -130,6 +132,36 @@ class TurnRunner:
         self.tiers = tiers
         self.window = window
         self.share_base = share_base
+        self._active: dict[CacheKey, Request] = {}
+        self._active_lock = threading.Lock()
+
+    @contextmanager
+    def _running(self, key: CacheKey, request: Request) -> Iterator[None]:
+        """Track the session's request while the turn reads it; a turn abandoned by its caller
+        (a closed stream) cancels it, so the loop frees its KV at the next step."""
+        with self._active_lock:
+            self._active[key] = request
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                if self._active.get(key) is request:
+                    del self._active[key]
+            request.cancel()
+            self.engine.loop.wake()
+
+    def cancel_requests(self, tenant_id: TenantId, session_id: SessionId | None = None) -> None:
+        """Cancel the requests in flight of one session (or, with `None`, of every session of the
+        tenant), which was deleted: their turns raise `SessionNotFound` instead of finishing."""
+        with self._active_lock:
+            doomed = [
+                (key, request)
+                for key, request in self._active.items()
+                if key.tenant_id == tenant_id and session_id in (None, key.name)
+            ]
+        for key, request in doomed:
+            request.cancel(SessionNotFound(key.name))
+        self.engine.loop.wake()
 
     def base_key(self, tenant_id: TenantId, session_id: SessionId, base_ids: Sequence[int]) -> PrefixKey:
         """Pool key of a session's base: salted with the tenant (and the session when sharing is off)."""
@@ -350,22 +382,37 @@ class TurnRunner:
         lease: Lease,
     ) -> Iterator[str | TurnOutcome]:
         engine = self.engine
-        working = prepared.cache.to_working_cache(len(prepared.prefill) + params.max_new_tokens)
-        logits = engine.prefill(working, prepared.prefill)
+        request = Request(
+            tenant_id=lease.key.tenant_id,
+            prefill_ids=prepared.prefill,
+            params=params,
+            start=prepared.cache,
+            stop_token_ids=engine.stop_token_ids,
+            accountant=self.tiers,
+            bytes_per_token=engine.layout.bytes_per_token,
+        )
         detokenizer = IncrementalDetokenizer(engine.tokenizer)
         generated: list[int] = []
         ttft_s = 0.0
         decode_started = time.perf_counter()
-        for token in engine.decode(working, logits, params):
-            if not generated:
-                ttft_s = time.perf_counter() - started
-                decode_started = time.perf_counter()
-            generated.append(token)
-            if token in engine.stop_token_ids:
-                break
-            piece = detokenizer.push(token)
-            if piece:
-                yield piece
+        with self._running(lease.key, request):
+            stream = engine.loop.submit(request).tokens()
+            while True:
+                try:
+                    token = next(stream)
+                except StopIteration as done:
+                    result: RequestResult = done.value
+                    break
+                if not generated:
+                    ttft_s = time.perf_counter() - started
+                    decode_started = time.perf_counter()
+                generated.append(token)
+                if token in engine.stop_token_ids:
+                    continue
+                piece = detokenizer.push(token)
+                if piece:
+                    yield piece
+        working = result.working
         tail = detokenizer.finish()
         if tail:
             yield tail
@@ -398,6 +445,7 @@ class TurnRunner:
             base_reused_tokens=prepared.base_reused,
             demoted_tokens=prepared.demoted_tokens,
             cache_tokens=cache.total_tokens,
+            queue_s=result.queue_s,
         )
         reply = Reply(text=detokenizer.text, token_ids=tuple(generated), stats=stats, finish_reason=finish)
         yield TurnOutcome(

@@ -1,25 +1,28 @@
-"""The model runner: prefill new tokens on top of a cache, then decode one token at a time.
+"""The model runner: the loaded model, its KV layout, and one forward pass over a packed step.
 
-Batch size is 1: each turn runs on its own session's cache. Model calls of concurrent turns are
-serialised by a lock per forward pass, so several sessions interleave token by token instead of
-one turn blocking the others until it finishes.
+`Engine.forward` is called by the engine loop only (`sessions.engine.loop`), the one thread that runs
+the model. Everything else goes through requests: `prefill` and `generate` submit one and wait.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from cache.ids import TenantId
 from cache.rope import RopeLayout, rope_layout
 from cache.session_cache import BaseLayer, SessionCache, WorkingCache
+from sessions.engine.batch import NO_MASK, STEP_KWARG, PackedBatch, StepCache, register_packed_attention
+from sessions.engine.config import SchedulerConfig
+from sessions.engine.loop import EngineLoop
+from sessions.engine.request import Request
 from sessions.model_source import LoadedModel
-from sessions.sampling import Sampler, SamplingParams
+from sessions.sampling import SamplingParams
 
-PREFILL_CHUNK_TOKENS = 2048
-"""Longer prefills run in chunks of this many tokens to bound the attention scratch memory."""
+ENGINE_TENANT = TenantId("chatkv-engine")
+"""Tenant of the engine's own prefill-only jobs (a base layer recomputed, kept turns re-prefilled)."""
 
 
 @dataclass(frozen=True)
@@ -38,16 +41,22 @@ class KVLayout:
 
 
 class Engine:
-    """Runs one loaded model. Thread-safe: model calls are serialised by an internal lock.
+    """Runs one loaded model through its engine loop. Thread-safe: every model call is a request.
 
     Attributes:
         max_context_tokens: the model's `max_position_embeddings`.
         stop_token_ids: ids that end a reply (the generation config's and tokenizer's EOS).
         rope_layout: the model's RoPE layout when cached keys can be re-rotated (see `cache.rope`),
             else `None` (windowing then re-prefills).
+        loop: the engine loop (started by the first request).
+
+    Args:
+        loaded: the model; its attention implementation is switched to the packed one (which falls
+            back to the original for ordinary calls).
+        scheduler: the loop's limits (default `SchedulerConfig()`).
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, scheduler: SchedulerConfig | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -65,7 +74,11 @@ class Engine:
         )
         self.stop_token_ids = self._stop_ids()
         self.rope_layout: RopeLayout | None = rope_layout(self.model)
-        self._lock = threading.Lock()
+        original = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        if not original.startswith("chatkv_packed_"):
+            self.model.set_attn_implementation(register_packed_attention(original))
+        # Looked up at each step, so a test can wrap `forward` to watch the passes.
+        self.loop = EngineLoop(lambda batch: self.forward(batch), self.device, scheduler or SchedulerConfig())
 
     def _stop_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -94,41 +107,49 @@ class Engine:
     # -- running the model ---------------------------------------------------------------------
 
     @torch.inference_mode()
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """One forward pass over a packed step (engine loop only). Returns the
+        `[len(batch.logits_indices), vocab]` logits of the rows that sample."""
+        out = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=NO_MASK,
+            cache=StepCache(batch),
+            use_cache=True,
+            logits_to_keep=batch.logits_indices,
+            **{STEP_KWARG: batch},
+        )
+        return out.logits[0]
+
     def prefill(self, cache: WorkingCache, token_ids: Sequence[int]) -> torch.Tensor:
         """Run `token_ids` through the model on top of `cache` (positions continue from the cache
-        length) and return the `[vocab]` logits of the last one.
+        length) and return the `[vocab]` logits of the last one. Waits for the engine loop.
 
         Raises:
             ValueError: if `token_ids` is empty.
         """
-        if not token_ids:
-            raise ValueError("prefill needs at least one token")
-        chunks = [
-            token_ids[start : start + PREFILL_CHUNK_TOKENS] for start in range(0, len(token_ids), PREFILL_CHUNK_TOKENS)
-        ]
-        for chunk in chunks[:-1]:
-            self._forward(cache, chunk)
-        return self._forward(cache, chunks[-1])
+        request = Request(tenant_id=ENGINE_TENANT, prefill_ids=token_ids, params=None, working=cache)
+        result = self.loop.submit(request).result()
+        if result.last_logits is None:
+            raise RuntimeError("bug: a prefill-only request returned no logits")
+        return result.last_logits
 
-    def _forward(self, cache: WorkingCache, token_ids: Sequence[int]) -> torch.Tensor:
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        with self._lock:
-            out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+    def generate(self, cache: WorkingCache, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Prefill `token_ids` on top of `cache`, then yield sampled ids until a stop token or
+        `params.max_new_tokens`. Every yielded id but the last is fed back into `cache`.
 
-    @torch.inference_mode()
-    def decode(self, cache: WorkingCache, first_logits: torch.Tensor, params: SamplingParams) -> Iterator[int]:
-        """Yield up to `params.max_new_tokens` token ids, stopping after a stop token.
-
-        Every yielded token except the last is fed back into `cache`: the last one (a stop token,
-        or the token at the length limit) is never run through the model, so after the loop the
-        cache covers the prompt plus all but the last generated token.
+        Raises:
+            ValueError: if `token_ids` is empty.
         """
-        sampler = Sampler(params)
-        logits = first_logits
-        for step in range(params.max_new_tokens):
-            token = sampler(logits)
-            yield token
-            if token in self.stop_token_ids or step == params.max_new_tokens - 1:
-                return
-            logits = self._forward(cache, [token])
+        request = Request(
+            tenant_id=ENGINE_TENANT,
+            prefill_ids=token_ids,
+            params=params,
+            working=cache,
+            stop_token_ids=self.stop_token_ids,
+        )
+        stream = self.loop.submit(request).tokens()
+        try:
+            yield from stream
+        finally:
+            request.cancel()

@@ -1,0 +1,184 @@
+"""Which requests run in the next step, and how many of their tokens.
+
+Scheduling model (after vLLM v1's scheduler): no prefill or decode phase; every running request
+has pending ids (the rest of its prefill, or its last sampled token). A step takes one pending id
+of every request that is decoding, then chunks of pending prefills, up to `max_step_tokens`: a long
+prefill is split over several steps (chunked prefill), so it never holds the running decodes back
+for more than one step.
+
+Admission (waiting -> running) is bounded by `max_running_requests`, `max_running_per_tenant` and
+the device KV budget (each request reserves its working buffer's bytes through its accountant), and
+goes round-robin over tenants (`TenantRoundRobin`): a tenant with 20 waiting turns cannot starve
+another tenant's single turn. vLLM and SGLang admit first-come-first-served across all users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from cache.ids import TenantId
+from sessions.engine.config import SchedulerConfig
+from sessions.engine.request import Request, RequestState
+
+__all__ = ["Scheduler", "SchedulerConfig", "TenantRoundRobin"]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Ids of one request fed in a step; `samples` when they are its last pending ids (the step's
+    logits at the chunk's last token then pick the request's next token)."""
+
+    request: Request
+    token_ids: tuple[int, ...]
+    samples: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: tuple[ScheduledChunk, ...]
+    admitted: tuple[Request, ...]
+    dropped: tuple[Request, ...]
+    """Cancelled requests removed from the queues (the loop releases their KV)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+
+class AdmissionPolicy(Protocol):
+    """Orders waiting requests for admission."""
+
+    def order(self, waiting: Sequence[Request]) -> list[Request]: ...
+
+    def admitted(self, request: Request) -> None: ...
+
+
+class TenantRoundRobin:
+    """One request per tenant in turn, first-come-first-served within a tenant. Tenants keep their
+    place in a ring (in order of arrival), and each admission round starts after the tenant
+    admitted last."""
+
+    def __init__(self) -> None:
+        self._last: TenantId | None = None
+        self._ring: list[TenantId] = []
+
+    def order(self, waiting: Sequence[Request]) -> list[Request]:
+        queues: dict[TenantId, list[Request]] = {}
+        for request in waiting:
+            queues.setdefault(request.tenant_id, []).append(request)
+        self._ring = [t for t in self._ring if t in queues or t == self._last]
+        self._ring += [t for t in queues if t not in self._ring]
+        ring = self._ring
+        if self._last in ring:
+            cut = ring.index(self._last) + 1
+            ring = ring[cut:] + ring[:cut]
+        tenants = [t for t in ring if t in queues]
+        ordered: list[Request] = []
+        depth = 0
+        while len(ordered) < len(waiting):
+            ordered.extend(queues[t][depth] for t in tenants if depth < len(queues[t]))
+            depth += 1
+        return ordered
+
+    def admitted(self, request: Request) -> None:
+        self._last = request.tenant_id
+
+
+class Scheduler:
+    """Waiting and running requests of one engine loop. Not thread-safe: the loop owns it (the
+    loop's lock guards `add`)."""
+
+    def __init__(self, config: SchedulerConfig, policy: AdmissionPolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy or TenantRoundRobin()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._rotation = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or failed request off the running list."""
+        if request in self.running:
+            self.running.remove(request)
+
+    def schedule(self) -> StepPlan:
+        dropped = self._drop_cancelled()
+        admitted = self._admit()
+        return StepPlan(self._pack(), tuple(admitted), tuple(dropped))
+
+    def counts_by_tenant(self) -> tuple[dict[TenantId, int], dict[TenantId, int]]:
+        """(running, waiting) request counts per tenant."""
+        return _count(self.running), _count(self.waiting)
+
+    def _drop_cancelled(self) -> list[Request]:
+        dropped = [r for r in (*self.waiting, *self.running) if r.cancelled]
+        if dropped:
+            self.waiting = [r for r in self.waiting if not r.cancelled]
+            self.running = [r for r in self.running if not r.cancelled]
+        return dropped
+
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
+        per_tenant = _count(self.running)
+        for request in self.policy.order(self.waiting):
+            if len(self.running) >= self.config.max_running_requests:
+                break
+            if per_tenant.get(request.tenant_id, 0) >= self.config.tenant_limit:
+                continue
+            if not self._reserve(request):
+                break  # the device is full: later requests wait too, in order
+            self.waiting.remove(request)
+            self.running.append(request)
+            request.state = RequestState.RUNNING
+            per_tenant[request.tenant_id] = per_tenant.get(request.tenant_id, 0) + 1
+            self.policy.admitted(request)
+            admitted.append(request)
+        return admitted
+
+    def _reserve(self, request: Request) -> bool:
+        if request.accountant is None or not request.kv_bytes:
+            return True
+        alone = not self.running
+        if not request.accountant.reserve_device_bytes(request.kv_bytes, force=alone):
+            return False
+        request.reserved_bytes = request.kv_bytes
+        return True
+
+    def _pack(self) -> tuple[ScheduledChunk, ...]:
+        budget = self.config.max_step_tokens
+        cap = self.config.max_batch_requests or len(self.running)
+        ordered = self._rotated()
+        decoding = [r for r in ordered if not r.in_prefill]
+        prefilling = [r for r in ordered if r.in_prefill]
+        chunks: list[ScheduledChunk] = []
+        for request in [*decoding, *prefilling]:
+            if budget <= 0 or len(chunks) >= cap:
+                break
+            take = request.pending_ids[:budget]
+            chunks.append(ScheduledChunk(request, tuple(take), samples=len(take) == len(request.pending_ids)))
+            budget -= len(take)
+        if chunks and self.config.max_batch_requests:
+            self._rotation += len(chunks)
+        return tuple(chunks)
+
+    def _rotated(self) -> list[Request]:
+        """Running requests, starting at a rotating offset when steps are capped, so capped
+        requests take turns."""
+        if not self.running or not self.config.max_batch_requests:
+            return list(self.running)
+        start = self._rotation % len(self.running)
+        return self.running[start:] + self.running[:start]
+
+
+def _count(requests: Iterable[Request]) -> dict[TenantId, int]:
+    counts: dict[TenantId, int] = {}
+    for request in requests:
+        counts[request.tenant_id] = counts.get(request.tenant_id, 0) + 1
+    return counts

@@ -1,0 +1,139 @@
+"""The scheduler without a model: admission order across tenants, limits, chunked prefill, KV room."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.ids import TenantId
+from cache.session_cache import WorkingCache
+from sessions.engine.config import SchedulerConfig
+from sessions.engine.request import Request
+from sessions.engine.scheduler import Scheduler, TenantRoundRobin
+from sessions.sampling import SamplingParams
+
+
+def request(tenant: str, prefill: int = 4, kv_bytes: int = 0, accountant: object = None) -> Request:
+    r = Request(
+        tenant_id=TenantId(tenant),
+        prefill_ids=list(range(prefill)),
+        params=SamplingParams(max_new_tokens=8),
+        working=WorkingCache([]),
+        accountant=accountant,  # type: ignore[arg-type]
+    )
+    r.kv_bytes = kv_bytes
+    return r
+
+
+class Budget:
+    """A KV accountant with a fixed number of bytes."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.forced = 0
+
+    def reserve_device_bytes(self, nbytes: int, *, force: bool) -> bool:
+        if nbytes <= self.free or force:
+            self.forced += nbytes > self.free
+            self.free -= nbytes
+            return True
+        return False
+
+    def release_device_bytes(self, nbytes: int) -> None:
+        self.free += nbytes
+
+
+def test_a_tenant_with_twenty_waiting_turns_does_not_starve_another_tenants_single_turn() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_running_requests=2))
+    busy = [request("busy") for _ in range(20)]
+    for r in busy:
+        scheduler.add(r)
+    lone = request("lone")
+    scheduler.add(lone)  # arrives last
+    plan = scheduler.schedule()
+    assert plan.admitted == (busy[0], lone)
+    assert [c.request for c in plan.chunks] == [busy[0], lone]
+
+
+def test_round_robin_starts_after_the_tenant_admitted_last() -> None:
+    policy = TenantRoundRobin()
+    a1, a2, b1, c1 = request("a"), request("a"), request("b"), request("c")
+    assert policy.order([a1, a2, b1, c1]) == [a1, b1, c1, a2]
+    policy.admitted(b1)
+    assert policy.order([a1, a2, c1]) == [c1, a1, a2]
+
+
+def test_per_tenant_limit_lets_other_tenants_in() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_running_requests=4, max_running_per_tenant=1))
+    a = [request("a") for _ in range(3)]
+    b = request("b")
+    for r in (*a, b):
+        scheduler.add(r)
+    plan = scheduler.schedule()
+    assert plan.admitted == (a[0], b)
+    assert scheduler.waiting == [a[1], a[2]]
+
+
+def test_a_long_prefill_is_chunked_and_decodes_go_first() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=64))
+    decoding = request("a", prefill=1)
+    scheduler.add(decoding)
+    scheduler.schedule()
+    decoding.generated.append(7)  # it sampled a token; the token is its only pending id now
+    decoding.pending_ids[:] = [7]
+    long = request("b", prefill=150)
+    scheduler.add(long)
+    sizes = []
+    for _ in range(3):
+        plan = scheduler.schedule()
+        assert plan.chunks[0].request is decoding and plan.chunks[0].token_ids == (7,)
+        chunk = plan.chunks[1]
+        sizes.append(len(chunk.token_ids))
+        assert chunk.samples == (len(chunk.token_ids) == len(long.pending_ids))
+        del long.pending_ids[: len(chunk.token_ids)]
+        assert plan.num_tokens <= 64
+    assert sizes == [63, 63, 24]
+
+
+def test_batching_off_runs_one_request_per_step_in_turn() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_batch_requests=1))
+    a, b, c = request("a", 1), request("b", 1), request("c", 1)
+    for r in (a, b, c):
+        scheduler.add(r)
+    order = [scheduler.schedule().chunks[0].request for _ in range(6)]
+    assert order == [a, b, c, a, b, c]
+
+
+def test_requests_wait_for_kv_room_in_order_and_one_runs_alone_whatever_its_size() -> None:
+    budget = Budget(free=100)
+    scheduler = Scheduler(SchedulerConfig())
+    big = request("a", kv_bytes=150, accountant=budget)
+    small = request("b", kv_bytes=10, accountant=budget)
+    scheduler.add(big)
+    scheduler.add(small)
+    plan = scheduler.schedule()
+    assert plan.admitted == (big,) and budget.forced == 1  # nothing ran: admitted alone
+    plan = scheduler.schedule()
+    assert plan.admitted == () and scheduler.waiting == [small]  # no room beside it: waits
+    scheduler.remove(big)
+    budget.release_device_bytes(big.reserved_bytes)
+    assert scheduler.schedule().admitted == (small,)
+
+
+def test_cancelled_requests_are_dropped_before_the_step() -> None:
+    scheduler = Scheduler(SchedulerConfig())
+    a, b = request("a"), request("b")
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    a.cancel()
+    plan = scheduler.schedule()
+    assert plan.dropped == (a,) and [c.request for c in plan.chunks] == [b]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_step_tokens", 0), ("max_running_requests", 0), ("max_running_per_tenant", -1), ("max_batch_requests", 1.5)],
+)
+def test_bad_limits_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})  # type: ignore[arg-type]
