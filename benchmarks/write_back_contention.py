@@ -41,22 +41,22 @@ from _common import (
     write_json,
 )
 
-import cache.tier_manager as tier_manager
+import cache.write_back as write_back
 from sessions.engine import Engine
 
 MODES: list[tuple[str, str, float, float]] = [
-    ("write_back", "write_back", tier_manager.WRITE_BACK_SETTLE_S, tier_manager.WRITE_BACK_MAX_DEFER_S),
+    ("write_back", "write_back", write_back.WRITE_BACK_SETTLE_S, write_back.WRITE_BACK_MAX_DEFER_S),
     ("write_back, eager", "write_back", 0.0, 0.0),
-    ("on_evict", "on_evict", tier_manager.WRITE_BACK_SETTLE_S, tier_manager.WRITE_BACK_MAX_DEFER_S),
+    ("on_evict", "on_evict", write_back.WRITE_BACK_SETTLE_S, write_back.WRITE_BACK_MAX_DEFER_S),
 ]
 
 
 def run_mode(
     engine: Engine, args: argparse.Namespace, root: Path, label: str, persist: str, settle: float, defer: float
 ) -> dict[str, Any]:
-    # The manager builds its TierManager with the module defaults; set them for this run only.
-    saved = tier_manager.WRITE_BACK_SETTLE_S, tier_manager.WRITE_BACK_MAX_DEFER_S
-    tier_manager.WRITE_BACK_SETTLE_S, tier_manager.WRITE_BACK_MAX_DEFER_S = settle, defer
+    # The manager's TierManager builds its WriteBack with the module defaults; set them for this run only.
+    saved = write_back.WRITE_BACK_SETTLE_S, write_back.WRITE_BACK_MAX_DEFER_S
+    write_back.WRITE_BACK_SETTLE_S, write_back.WRITE_BACK_MAX_DEFER_S = settle, defer
     try:
         home = root / label.replace(", ", "-")
         with open_manager(home, engine, args.model_cache_dir, persist=persist) as manager:
@@ -77,7 +77,7 @@ def run_mode(
                 sources.append(reply.stats.restored_from)
             tokens = [manager.session_info(tenant, s).token_count for s in sessions]
     finally:
-        tier_manager.WRITE_BACK_SETTLE_S, tier_manager.WRITE_BACK_MAX_DEFER_S = saved
+        write_back.WRITE_BACK_SETTLE_S, write_back.WRITE_BACK_MAX_DEFER_S = saved
     result = {
         "mode": label,
         "persist": persist,

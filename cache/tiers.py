@@ -3,6 +3,10 @@
 `cache/` never imports `storage/`: the tier manager is handed a `CacheSealer` (turns a cache into
 sealed bytes and back: codec plus encryption) and one `BlobStore` per lower tier (bytes by key:
 process memory, files). `sessions/` wires the storage implementations in.
+
+Each protocol names the exceptions it may raise (`BlobRejected`, `SealFailed`, `BlobMissing`); the
+tier manager treats those as "nothing usable stored here: rebuild from the transcript" and lets any
+other exception, a `KeyError` included, propagate as the bug it is.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ class BlobRejected(Exception):
     session or tenant, another model fingerprint, wrong key). It must not be used; rebuild."""
 
 
+class BlobMissing(Exception):
+    """A `BlobStore` holds no blob for the key (never stored, dropped, or its file deleted behind
+    the store). Declared here, not in `storage/`, because `cache/` and `storage/` do not import each
+    other: `sessions/offload.py` adapts the storage stores' own `BlobNotFound` to it. A named
+    exception instead of `KeyError`, so a `KeyError` from a bug is not mistaken for an absent blob."""
+
+
 class SealFailed(Exception):
     """A cache cannot be sealed for its key: the tenant's data key is unavailable (the tenant was
     deleted, or the master key does not unwrap its key). The cache is dropped instead of stored;
@@ -91,7 +102,7 @@ class BlobStore(Protocol):
     def put(self, key: CacheKey, blob: bytes) -> None: ...
 
     def get(self, key: CacheKey) -> bytes:
-        """Raises `KeyError` if absent."""
+        """Raises `BlobMissing` if absent."""
         ...
 
     def delete(self, key: CacheKey) -> None: ...

@@ -26,10 +26,12 @@ from typing import Any, cast
 
 import torch
 
+from cache.budgets import TierBudgets
 from cache.ids import PrefixKey, SessionId, TenantId
+from cache.lease import Lease
 from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
-from cache.tier_manager import Lease, LeaseHeld, TierBudgets, TierManager
+from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS, WindowPolicy
 from sessions.chat_template import ChatTemplate, PastTurn
@@ -46,7 +48,7 @@ from sessions.errors import (
 )
 from sessions.metrics import Metrics
 from sessions.model_source import load_model
-from sessions.offload import EncryptedCacheSealer
+from sessions.offload import EncryptedCacheSealer, TierBlobStore
 from sessions.records import Message, Reply, RestoreResult, Role, SessionInfo, Tenant
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
@@ -152,8 +154,8 @@ class SessionManager:
         self.tiers = TierManager(
             pool=PrefixPool(),
             sealer=sealer,
-            host=HostBlobStore[CacheKey](),
-            disk=self.disk_store,
+            host=TierBlobStore(HostBlobStore[CacheKey]()),
+            disk=TierBlobStore(self.disk_store),
             budgets=TierBudgets(
                 device_bytes=settings.device_budget_bytes or 0,
                 host_bytes=settings.host_budget_bytes or 0,

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cache.tier_manager import TierUsage
+from cache.budgets import TierUsage
 from cache.tiers import Tier
 from sessions.engine.loop import BUSY_WINDOW_S, LoopStats
 

@@ -1,4 +1,5 @@
-"""Wiring of the tiers: the sealer that turns caches into encrypted blobs for the host and disk stores.
+"""Wiring of the tiers: the sealer that turns caches into encrypted blobs for the host and disk stores,
+and the adapter that hands those stores to the tier manager.
 
 `cache/` declares what it needs (`CacheSealer`, `BlobStore`); `storage/` provides the codec, the
 key ring and the stores; this module joins them, so neither of those packages imports the other.
@@ -6,6 +7,8 @@ A blob is `seal(tenant data key, safetensors(tensors, header), aad(tenant, name,
 format version))`; any failure to authenticate or decode becomes `BlobRejected` and the turn
 rebuilds the cache from the transcript. A tenant whose data key is unavailable (deleted, or a
 master key that does not unwrap it) cannot seal: `SealFailed`, and the cache is dropped instead.
+Errors are translated the same way for the stores: `storage`'s `BlobNotFound` becomes `cache`'s
+`BlobMissing` (`TierBlobStore`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from cache.serialization import (
     session_cache_to_tensors,
 )
 from cache.session_cache import BaseLayer, SessionCache
-from cache.tiers import BlobRejected, CacheKey, SealFailed
+from cache.tiers import BlobMissing, BlobRejected, CacheKey, SealFailed
 from storage import codec
+from storage.blob_stores import BlobNotFound, DiskBlobStore, HostBlobStore
 from storage.keyring import KeyRingError, TenantKeys, blob_aad, open_sealed, seal
 
 
@@ -100,3 +104,41 @@ class EncryptedCacheSealer:
             return base_layer_from_tensors(tensors, header, self._device)
         except MalformedCache as exc:
             raise BlobRejected(str(exc)) from exc
+
+
+class TierBlobStore:
+    """A `storage` host or disk store as the tier manager's `BlobStore`: the same calls, with an
+    absent blob raised as `cache.tiers.BlobMissing` instead of `storage`'s `BlobNotFound`. Any
+    other exception (a `KeyError` from a bug included) passes through unchanged.
+
+    Args:
+        store: the store to adapt, keyed by `CacheKey`.
+    """
+
+    def __init__(self, store: HostBlobStore[CacheKey] | DiskBlobStore[CacheKey]) -> None:
+        self.store = store
+
+    def get(self, key: CacheKey) -> bytes:
+        """Raises `BlobMissing` if absent."""
+        try:
+            return self.store.get(key)
+        except BlobNotFound as exc:
+            raise BlobMissing(str(exc)) from exc
+
+    def put(self, key: CacheKey, blob: bytes) -> None:
+        self.store.put(key, blob)
+
+    def delete(self, key: CacheKey) -> None:
+        self.store.delete(key)
+
+    def contains(self, key: CacheKey) -> bool:
+        return self.store.contains(key)
+
+    def nbytes(self, key: CacheKey) -> int:
+        return self.store.nbytes(key)
+
+    def keys(self) -> list[CacheKey]:
+        return self.store.keys()
+
+    def used_bytes(self) -> int:
+        return self.store.used_bytes()

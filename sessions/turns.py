@@ -27,9 +27,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
+from cache.lease import Lease
 from cache.prefix_pool import prefix_key
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache, WorkingCache
-from cache.tier_manager import Lease, TierManager
+from cache.tier_manager import TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import (
     MIN_TURN_TOKENS,

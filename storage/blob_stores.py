@@ -2,7 +2,8 @@
 
 Both implement the `cache.tiers.BlobStore` protocol structurally (this package does not import
 `cache`). Keys are objects with `tenant_id` and `name` attributes; the disk store rebuilds them
-with the `key_factory` it is given.
+with the `key_factory` it is given. An absent blob raises this module's `BlobNotFound`, which
+`sessions/offload.py` turns into `cache.tiers.BlobMissing` for the tier manager.
 
 Disk layout: `<root>/<tenant id>/<name>.ckv`, one file per blob, written atomically; a row in
 `cache_blobs` per file records tier, path, bytes, SHA-256 and model fingerprint. `reconcile()` at
@@ -40,6 +41,19 @@ class KeyLike(Protocol, Hashable):
 K = TypeVar("K", bound=KeyLike)
 
 
+class BlobNotFound(KeyError):
+    """The store holds no blob for the key (never stored, deleted, or its file removed behind the
+    store). Catch it by this name: a bare `KeyError` may be a bug. It subclasses `KeyError` only so
+    callers written when `get` raised `KeyError` keep working."""
+
+    def __init__(self, tenant_id: str, name: str) -> None:
+        super().__init__(f"{tenant_id}/{name}")
+        self.tenant_id, self.name = tenant_id, name
+
+    def __str__(self) -> str:
+        return f"no blob {self.tenant_id}/{self.name}"  # KeyError's own str() would quote the key
+
+
 def _check_name(part: str) -> str:
     """Names become path components: refuse anything that could leave the store's folder."""
     if not _SAFE_NAME.fullmatch(part) or ".." in part:
@@ -59,8 +73,12 @@ class HostBlobStore(Generic[K]):
             self._blobs[key] = bytes(blob)
 
     def get(self, key: K) -> bytes:
+        """Raises `BlobNotFound` if absent."""
         with self._lock:
-            return self._blobs[key]
+            blob = self._blobs.get(key)
+        if blob is None:
+            raise BlobNotFound(key.tenant_id, key.name)
+        return blob
 
     def delete(self, key: K) -> None:
         with self._lock:
@@ -141,14 +159,15 @@ class DiskBlobStore(Generic[K]):
             self._sizes[key] = len(blob)
 
     def get(self, key: K) -> bytes:
+        """Raises `BlobNotFound` if absent, or if its file was removed behind the store."""
         with self._lock:
             if key not in self._sizes:
-                raise KeyError(key.name)
+                raise BlobNotFound(key.tenant_id, key.name)
             try:
                 return self.path_for(key).read_bytes()
             except FileNotFoundError:
                 self._sizes.pop(key, None)
-                raise KeyError(key.name) from None
+                raise BlobNotFound(key.tenant_id, key.name) from None
 
     def delete(self, key: K) -> None:
         with self._lock:

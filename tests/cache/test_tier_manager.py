@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from cache.budgets import TierBudgets
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
-from cache.tier_manager import LeaseHeld, TierBudgets, TierManager
+from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
-from sessions.offload import EncryptedCacheSealer
+from sessions.offload import EncryptedCacheSealer, TierBlobStore
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, upgrade
 from storage.keyring import MasterKey, TenantKeys, key_id
@@ -105,9 +106,13 @@ def make_rig(tmp_path: Path) -> Iterator:
     rigs: list[Rig] = []
 
     def build(
-        limits: TierBudgets | None = None, write_back: bool = False, fingerprint: str = "fp-a", **options: float
+        limits: TierBudgets | None = None,
+        write_back: bool = False,
+        fingerprint: str = "fp-a",
+        disk_type: type[DiskBlobStore[CacheKey]] = DiskBlobStore,
+        **options: float,
     ) -> Rig:
-        disk: DiskBlobStore[CacheKey] = DiskBlobStore(
+        disk: DiskBlobStore[CacheKey] = disk_type(
             tmp_path / "blobs", metadata, fingerprint, lambda t, n: CacheKey(TenantId(t), n)
         )
         host: HostBlobStore[CacheKey] = HostBlobStore()
@@ -122,8 +127,8 @@ def make_rig(tmp_path: Path) -> Iterator:
         tiers = TierManager(
             pool=PrefixPool(),
             sealer=EncryptedCacheSealer(ring, fingerprint, torch.device("cpu")),
-            host=host,
-            disk=disk,
+            host=TierBlobStore(host),
+            disk=TierBlobStore(disk),
             budgets=limits or budgets(),
             base_builder=builder,
             write_back=write_back,
@@ -387,6 +392,63 @@ def test_a_rejected_blob_is_discarded(make_rig) -> None:
     assert rig.events.rejections == [Tier.DISK]
     assert rig.tiers.placement(key) is None
     assert not path.exists() and rig.metadata.list_blobs() == []
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
+def test_a_missing_blob_is_discarded_and_rebuilt(make_rig, tier: Tier) -> None:
+    rig = make_rig()
+    key = session_key(A, 0)
+    add_rows(rig, key)
+    turn(rig.tiers, key, make_cache(0))
+    assert rig.tiers.evict(key, tier) is tier
+    if tier is Tier.HOST:
+        rig.host.delete(key)
+    else:
+        rig.disk.path_for(key).unlink()  # removed behind the store, which still lists it
+    assert rig.tiers.stored_cache(key) is None
+    with rig.tiers.lease(key) as lease:
+        restored = lease.restore()
+    assert (restored.cache, restored.source, restored.rejected) == (None, None, True)
+    assert rig.events.rejections == [tier]
+    assert rig.tiers.placement(key) is None
+
+
+def test_a_base_blob_whose_file_vanished_is_rebuilt(make_rig) -> None:
+    base = make_base(A)
+    rig = make_rig()
+    key = session_key(A, 0)
+    add_rows(rig, key)
+    turn(rig.tiers, key, make_cache(0, base=base))
+    rig.tiers.evict(key, Tier.DISK)
+    rig.tiers.pool.remove(base.key)
+    rig.disk.path_for(CacheKey.for_base(A, base.key)).unlink()  # the store still lists it
+    with rig.tiers.lease(key) as lease:
+        restored = lease.restore()
+    assert restored.source is Tier.DISK and restored.cache is not None and restored.cache.base is not None
+    assert rig.built_bases == [base.key]
+    assert rig.events.rejections == [Tier.DISK]
+
+
+class BuggyDiskStore(DiskBlobStore[CacheKey]):
+    """A disk store whose `get` has a bug that raises a bare `KeyError` (not `BlobNotFound`)."""
+
+    def get(self, key: CacheKey) -> bytes:
+        raise KeyError(f"bug in get({key.name})")
+
+
+def test_a_key_error_from_a_buggy_store_propagates_instead_of_rebuilding(make_rig) -> None:
+    rig = make_rig(disk_type=BuggyDiskStore)
+    key = session_key(A, 0)
+    add_rows(rig, key)
+    turn(rig.tiers, key, make_cache(0))
+    assert rig.tiers.evict(key, Tier.DISK) is Tier.DISK
+    with pytest.raises(KeyError, match="bug in get"), rig.tiers.lease(key) as lease:
+        lease.restore()
+    with pytest.raises(KeyError, match="bug in get"):
+        rig.tiers.stored_cache(key)
+    # Nothing was taken for a missing blob: no rejection, the blob and its placement stay.
+    assert rig.events.rejections == []
+    assert rig.tiers.placement(key) is Tier.DISK and rig.disk.path_for(key).exists()
 
 
 def test_a_blob_of_another_model_is_invalidated_at_start_up(make_rig) -> None:

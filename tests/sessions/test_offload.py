@@ -594,7 +594,7 @@ def test_a_disk_copy_older_than_the_transcript_is_not_used(tmp_path: Path, tiny_
     sid = manager.open_session(tenant, system_prompt=SYSTEM)
     manager.chat(tenant, sid, "note 0", max_new_tokens=TOKENS)
     manager.tiers.flush()
-    manager.tiers._queue_write_back = lambda key: None  # type: ignore[method-assign]
+    manager.tiers._writer.queue = lambda key: None  # type: ignore[method-assign]
     manager.chat(tenant, sid, "note 1", max_new_tokens=TOKENS)
     manager.tiers.close()  # the process dies: no persist at shutdown
     manager._db.dispose()

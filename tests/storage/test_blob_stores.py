@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from storage.atomic_files import TEMP_PREFIX, write_atomic
-from storage.blob_stores import DiskBlobStore, HostBlobStore
+from storage.blob_stores import BlobNotFound, DiskBlobStore, HostBlobStore
 from storage.metadata_store import MetadataStore
 from tests.conftest import REPO
 from tests.storage.conftest import add_session
@@ -66,6 +66,15 @@ def test_host_store_keeps_bytes_by_key() -> None:
     assert not store.contains(S1)
     with pytest.raises(KeyError):
         store.get(S1)
+
+
+def test_both_stores_report_an_absent_blob_as_blob_not_found(tmp_path: Path, rows: MetadataStore) -> None:
+    stores: list[HostBlobStore[Key] | DiskBlobStore[Key]] = [HostBlobStore(), disk_store(tmp_path / "blobs", rows)]
+    for store in stores:
+        with pytest.raises(BlobNotFound) as raised:
+            store.get(S1)
+        assert (raised.value.tenant_id, raised.value.name, str(raised.value)) == ("tn_a", "s_1", "no blob tn_a/s_1")
+        assert isinstance(raised.value, KeyError)  # callers written against plain `KeyError` still work
 
 
 # -- disk ------------------------------------------------------------------------------------------
