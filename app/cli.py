@@ -1,8 +1,9 @@
 """The `chatkv` command line: serve the UI, chat in the terminal, and operate a chatkv home.
 
 Admin commands (`tenants`, `sessions`, `stats`, `keys`, `gc`) run through a server's admin API when
-`--server URL` (or `CHATKV_SERVER`) is given, so an eviction really frees the server's device; else
-they work on the home's database and stores directly, and refuse while a live server holds the home.
+`--server URL` (or `CHATKV_SERVER`) is given, before the subcommand or after it, so an eviction
+really frees the server's device; else they work on the home's database and stores directly, and
+refuse while another process (a server, or one with a `SessionManager` open) holds the home.
 Either way they print the same answers (`app.admin_ops`); every listing takes `--json`.
 
 Exit codes: 0 success; 1 the operation failed (model, I/O, a server error) or a confirmation was
@@ -17,7 +18,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -28,7 +29,7 @@ from rich.table import Table
 from typer.core import TyperGroup, TyperOption
 
 from app.admin_client import AdminClient, AdminRequestFailed
-from storage.home_lock import HomeLockedError, check_unlocked, read_owner, recovery_hint
+from storage.home_lock import HomeLockedError, check_unlocked, describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -120,7 +121,7 @@ class _OneLineErrors(_Group):
         except CLIError as exc:
             _fail(str(exc), exc.exit_code)
         except HomeLockedError as exc:
-            _fail(str(exc), 2)
+            _fail(_held_for_admin(exc), 2)
         except AdminRequestFailed as exc:
             _fail(str(exc), 2 if exc.status < 500 else 1)
         except httpx.ConnectError as exc:
@@ -261,9 +262,12 @@ def _admin_token(target: _Target) -> str:
 
 
 @contextmanager
-def _admin(ctx: typer.Context) -> Iterator[AdminOps | AdminClient]:
-    """The server's admin API with `--server`, else the home itself (unless a server holds it)."""
+def _admin(ctx: typer.Context, server: str | None = None) -> Iterator[AdminOps | AdminClient]:
+    """The server's admin API with `--server` (`server`: the command's own `--server`, which wins
+    over the global one), else the home itself (unless another process holds it)."""
     target: _Target = ctx.obj
+    if server:
+        target = replace(target, server=server)
     if target.server:
         try:
             client = AdminClient.connect(target.server, _admin_token(target))
@@ -284,6 +288,15 @@ def _admin(ctx: typer.Context) -> Iterator[AdminOps | AdminClient]:
 # -- output ------------------------------------------------------------------------------------
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+ServerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        show_default=False,
+        help="Run through this server's admin API (as `chatkv --server URL ...`; given here, it wins).",
+    ),
+]
+"""`--server` after the subcommand (`chatkv sessions list --server URL`), like the global one before it."""
 TenantOption = Annotated[str, typer.Option("--tenant", "-t", help="Tenant name or id.")]
 
 
@@ -381,11 +394,16 @@ def serve_command(
 
 
 def _held_by_server(exc: HomeLockedError) -> str:
-    owner = exc.owner
-    return (
-        f"another chatkv server (pid {owner.pid}, {owner.url or 'no URL'}) holds this home; "
-        f"stop it or use another CHATKV_HOME ({exc.recovery})"
-    )
+    return f"{exc.holder} holds this home; stop it or use another CHATKV_HOME ({exc.recovery})"
+
+
+def _held_for_admin(exc: HomeLockedError) -> str:
+    """An admin command refused a home: a server's admin API is the way in; an embedding process has none."""
+    if exc.owner.url:
+        advice = f"use --server {exc.owner.url} (or CHATKV_SERVER) to go through its admin API"
+    else:
+        advice = "stop it first, or serve the home with `chatkv serve` and use --server URL"
+    return f"{exc.holder} holds this home; {advice} ({exc.recovery})"
 
 
 @app.command("chat")
@@ -404,11 +422,8 @@ def chat_command(
     home = _home(ctx.obj)
     owner = read_owner(home)
     if owner is not None:
-        raise CLIError(
-            f"a chatkv server (pid {owner.pid}) holds this home: chat in its UI at {owner.url} "
-            f"({recovery_hint(home, owner)})",
-            2,
-        )
+        where = f"chat in its UI at {owner.url}" if owner.url else "stop it first"
+        raise CLIError(f"{describe_owner(owner)} holds this home: {where} ({recovery_hint(home, owner)})", 2)
     if session is not None and system is not None:
         raise CLIError("--system applies to a new session: omit --session", 2)
     settings = _settings(ctx.obj)
@@ -471,9 +486,9 @@ def _stream_turn(manager: SessionManager, tenant_id: str, session_id: str, messa
 
 
 @tenants_app.command("create")
-def tenants_create(ctx: typer.Context, name: str, as_json: JsonOption = False) -> None:
+def tenants_create(ctx: typer.Context, name: str, as_json: JsonOption = False, server: ServerOption = None) -> None:
     """Create a tenant and print its API key (shown once; only a salted hash is kept)."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         tenant = admin.create_tenant(name)
     _print(
         tenant,
@@ -483,9 +498,9 @@ def tenants_create(ctx: typer.Context, name: str, as_json: JsonOption = False) -
 
 
 @tenants_app.command("list")
-def tenants_list(ctx: typer.Context, as_json: JsonOption = False) -> None:
+def tenants_list(ctx: typer.Context, as_json: JsonOption = False, server: ServerOption = None) -> None:
     """List tenants with their session counts."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         tenants = admin.list_tenants()
     _print(
         tenants,
@@ -501,9 +516,9 @@ def tenants_list(ctx: typer.Context, as_json: JsonOption = False) -> None:
 
 
 @tenants_app.command("show")
-def tenants_show(ctx: typer.Context, tenant: str, as_json: JsonOption = False) -> None:
+def tenants_show(ctx: typer.Context, tenant: str, as_json: JsonOption = False, server: ServerOption = None) -> None:
     """Show a tenant: sessions, tokens and sessions per tier."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         info = admin.show_tenant(tenant)
     per_tier = ", ".join(f"{tier} {n}" for tier, n in info["sessions_by_tier"].items())
     _print(
@@ -525,13 +540,13 @@ def tenants_show(ctx: typer.Context, tenant: str, as_json: JsonOption = False) -
 
 
 @tenants_app.command("delete")
-def tenants_delete(ctx: typer.Context, tenant: str, yes: YesOption = False) -> None:
+def tenants_delete(ctx: typer.Context, tenant: str, yes: YesOption = False, server: ServerOption = None) -> None:
     """Delete a tenant and everything of it, for good.
 
     Its data key is destroyed first (crypto-shredding), so a cache blob that survives anywhere
     cannot be decrypted; then its caches, files and rows go. Asks for confirmation unless --yes.
     """
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         info = admin.show_tenant(tenant)
         sessions = _count(info["sessions"], "session")
         _confirm(f"Delete tenant {info['name']} ({info['id']}) and its {sessions} for good?", yes)
@@ -540,9 +555,11 @@ def tenants_delete(ctx: typer.Context, tenant: str, yes: YesOption = False) -> N
 
 
 @tenants_app.command("rotate-api-key")
-def tenants_rotate_api_key(ctx: typer.Context, tenant: str, as_json: JsonOption = False) -> None:
+def tenants_rotate_api_key(
+    ctx: typer.Context, tenant: str, as_json: JsonOption = False, server: ServerOption = None
+) -> None:
     """Issue a new API key for a tenant; the old key stops working at once."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         key = admin.rotate_api_key(tenant)
     _print(key, as_json, lambda k: _pairs([("tenant", f"{k['name']} ({k['id']})"), ("api key", k["api_key"])]))
 
@@ -573,11 +590,12 @@ def sessions_list(
         ),
     ] = None,
     as_json: JsonOption = False,
+    server: ServerOption = None,
 ) -> None:
     """List sessions, most recently active first."""
     if tier is not None and tier not in TIERS:
         raise CLIError("--tier must be device, host or disk", 2)
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         sessions = admin.list_sessions(tenant=tenant, tier=tier, idle_for_s=idle_for)
     _print(
         sessions,
@@ -633,7 +651,9 @@ def _render_inspect(detail: Json) -> None:
 
 
 @sessions_app.command("inspect")
-def sessions_inspect(ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False) -> None:
+def sessions_inspect(
+    ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False, server: ServerOption = None
+) -> None:
     """Show a session: transcript summary, layer table, model fingerprint, last TTFT.
 
     The layer table has one row per layer: kind (base or turn), turn, tokens, RoPE positions (a
@@ -641,15 +661,17 @@ def sessions_inspect(ctx: typer.Context, session_id: str, tenant: TenantOption, 
     the cache by tokens). The system-prompt prefix lives in the tenant's shared prefix pool. A
     stored cache is decrypted to read its layers.
     """
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         detail = admin.inspect_session(tenant, session_id)
     _print(detail, as_json, _render_inspect)
 
 
 @sessions_app.command("show")
-def sessions_show(ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False) -> None:
+def sessions_show(
+    ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False, server: ServerOption = None
+) -> None:
     """Alias of `sessions inspect`."""
-    sessions_inspect(ctx, session_id, tenant, as_json)
+    sessions_inspect(ctx, session_id, tenant, as_json, server)
 
 
 @sessions_app.command("evict")
@@ -658,6 +680,7 @@ def sessions_evict(
     session_id: str,
     tenant: TenantOption,
     to: Annotated[str, typer.Option(metavar="host|disk|drop", help="Target tier, or drop the cache.")],
+    server: ServerOption = None,
 ) -> None:
     """Move an idle session's cache down to host memory or disk, or drop it.
 
@@ -666,20 +689,20 @@ def sessions_evict(
     """
     if to not in EVICT_TARGETS:
         raise CLIError("--to must be host, disk or drop", 2)
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         result = admin.evict_session(tenant, session_id, to)
     typer.echo(f"{session_id}: {'dropped' if to == 'drop' else result['tier']}")
 
 
 @sessions_app.command("restore")
-def sessions_restore(ctx: typer.Context, session_id: str, tenant: TenantOption) -> None:
+def sessions_restore(ctx: typer.Context, session_id: str, tenant: TenantOption, server: ServerOption = None) -> None:
     """Bring a session's cache up to the server's device ahead of its next turn.
 
     Needs --server: without a server no process keeps a cache on the device.
     """
-    if not ctx.obj.server:
+    if not (server or ctx.obj.server):
         raise CLIError("sessions restore needs --server (or CHATKV_SERVER)", 2)
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         result = admin.restore_session(tenant, session_id)
     if result["tier"] is None:
         why = "the stored cache was unusable and was discarded" if result["rejected"] else "nothing stored"
@@ -690,10 +713,12 @@ def sessions_restore(ctx: typer.Context, session_id: str, tenant: TenantOption) 
 
 
 @sessions_app.command("delete")
-def sessions_delete(ctx: typer.Context, session_id: str, tenant: TenantOption, yes: YesOption = False) -> None:
+def sessions_delete(
+    ctx: typer.Context, session_id: str, tenant: TenantOption, yes: YesOption = False, server: ServerOption = None
+) -> None:
     """Delete a session for good: transcript, caches in every tier and files. Asks for confirmation
     unless --yes."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         found = [s for s in admin.list_sessions(tenant=tenant) if s["id"] == session_id]
         if not found:
             raise CLIError(f"session not found: {session_id}", 2)
@@ -706,9 +731,9 @@ def sessions_delete(ctx: typer.Context, session_id: str, tenant: TenantOption, y
 
 
 @sessions_app.command("export")
-def sessions_export(ctx: typer.Context, session_id: str, tenant: TenantOption) -> None:
+def sessions_export(ctx: typer.Context, session_id: str, tenant: TenantOption, server: ServerOption = None) -> None:
     """Print a session's transcript as JSON (every message with its exact token ids)."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         transcript = admin.export_session(tenant, session_id)
     _print(transcript, True, print)
 
@@ -741,14 +766,14 @@ def _render_stats(stats: Json) -> None:
 
 
 @app.command("stats")
-def stats_command(ctx: typer.Context, as_json: JsonOption = False) -> None:
+def stats_command(ctx: typer.Context, as_json: JsonOption = False, server: ServerOption = None) -> None:
     """Sessions and bytes per tier, budgets used, cache hit rate, prefill tokens saved, evictions.
 
     With --server: the running server's tiers, and its turn counters (hit rate, prefill tokens,
     evictions) since it started. Without: the tiers as stored in the home (every cache on disk),
     without turn counters, and without loading the model.
     """
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         stats = admin.stats()
     _print(stats, as_json, _render_stats)
 
@@ -760,9 +785,10 @@ def keys_rotate_master(
         str | None,
         typer.Option(help="Base64 of 32 bytes; generated (into HOME/master.key) when omitted.", show_default=False),
     ] = None,
+    server: ServerOption = None,
 ) -> None:
     """Re-wrap every tenant's data key under a new master key; cache blobs are not rewritten."""
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         result = admin.rotate_master_key(new_key)
     typer.echo(f"master key rotated: new key id {result['master_key_id']}")
     if result["from_env"]:
@@ -774,6 +800,7 @@ def gc_command(
     ctx: typer.Context,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
     as_json: JsonOption = False,
+    server: ServerOption = None,
 ) -> None:
     """Delete sessions idle longer than the retention (CHATKV_SESSION_RETENTION_S, e.g. 30d).
 
@@ -781,7 +808,7 @@ def gc_command(
     leftovers, files without a row, blobs of another model) are removed whenever a manager starts:
     by the server at its start, or by this command without --server (unless --dry-run).
     """
-    with _admin(ctx) as admin:
+    with _admin(ctx, server) as admin:
         report = admin.gc(dry_run=dry_run)
     _print(report, as_json, _render_gc)
 

@@ -9,7 +9,13 @@ page. The key is checked again on every event that touches the tenant's data, so
 deleting a tenant's key (or the tenant) signs out the tabs that use it.
 
 A turn runs to completion in a worker thread whether or not its tab is still there: reloading or
-closing the page mid-reply still stores the message and the whole reply.
+closing the page mid-reply still stores the message and the whole reply. The Stop button is the
+one way to cancel a reply: the worker closes its `stream_chat` stream, which cancels the turn at the
+engine's next step and stores nothing, so the partial reply is discarded (the note under the chat
+says so) and the session takes the next message at once.
+
+The open session is remembered in the browser (`gr.BrowserState`, the browser's local storage), so
+a page reload opens it again once the same tenant is signed in.
 
 The event handlers are methods of `ChatUI` and return a `View` (one field per output component), so
 tests call them directly without a browser.
@@ -26,6 +32,7 @@ import threading
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import gradio as gr
@@ -45,7 +52,15 @@ EMPTY_KEY_MESSAGE = "enter an API key"
 CHAT_CONCURRENCY = 4
 """Turns streamed at once across all tabs; the engine interleaves their model calls token by token."""
 LABEL_CHARS = 40
-"""Length of an untitled session's label in the picker (its first message, shortened)."""
+"""Longest name of a session in the picker (its title, or its first message), in characters;
+longer ones end with an ellipsis. The label adds when it was last active (`· 5 min ago`)."""
+STOPPED_NOTE = (
+    "Stopped. The partial reply was discarded and nothing was stored for this turn; your message is back in the box."
+)
+"""Shown under the chat after Stop: the manager stores nothing for a cancelled turn."""
+REMEMBERED_KEY = "chatkv-open-session"
+"""Local-storage key of the open session (`{"tenant": id, "session": id}`). Not a secret: a
+remembered session opens only for its own tenant, whose key the tab signed in with."""
 CLEAR_LABEL = "New conversation (this one stays in the Session list)"
 """Tooltip of the chat's clear button, which leaves the session on screen without deleting it."""
 STATS_HEADERS = [
@@ -63,6 +78,7 @@ UI_CSS = """
 #turn-stats .chatkv-stats { font-size: 0.9em; opacity: 0.85; padding: 2px 4px; }
 #turn-stats b { font-variant-numeric: tabular-nums; }
 .chatkv-error { color: #b91c1c; font-weight: 600; padding: 2px 4px; }
+.chatkv-note { font-size: 0.9em; padding: 2px 4px; color: #92400e; }
 #session-info { font-size: 0.85em; opacity: 0.8; }
 """
 """Passed to `gr.mount_gradio_app` (Gradio 6 takes CSS at mount/launch, not in `gr.Blocks`)."""
@@ -107,6 +123,10 @@ class View(NamedTuple):
     stats_line: Any
     stats_table: Any
     error_line: Any
+    stop_button: Any
+    reply_note: Any
+    remembered: Any
+    """The open session as stored in the browser (`_remembered`), for the next page load."""
 
 
 def _view(state: ViewState, **changes: Any) -> View:
@@ -123,10 +143,11 @@ def _input(enabled: bool, **value: Any) -> dict[str, Any]:
 class _Turn:
     """One turn run to completion in a worker thread; its reply pieces, then the `Reply` (or the
     exception it failed with), then `_Turn.END`, arrive on `items`. Nobody has to read them: the
-    turn is stored when it completes even if its tab went away.
+    turn is stored when it completes even if its tab went away. `stop()` (the Stop button) is what
+    ends it early: then `stopped` is set and no `Reply` comes.
 
-    A first turn of a session started for it (`delete_on_failure`) that fails deletes that session
-    again, so failed sends do not leave empty sessions behind.
+    A first turn of a session started for it (`delete_on_failure`) that fails or is stopped deletes
+    that session again, so failed sends do not leave empty sessions behind.
     """
 
     END = object()
@@ -151,18 +172,35 @@ class _Turn:
         self.delete_on_failure = delete_on_failure
         self.items: queue.Queue[object] = queue.Queue()
         self.session_deleted = False
+        self.stopped = False
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the worker to cancel the turn: it closes the stream when the next piece arrives (one
+        per engine step while the reply decodes; a turn still queued or prefilling stops at its
+        first token), unless the reply is complete and stored by then."""
+        self._stop.set()
 
     def run(self) -> None:
-        """Run the turn to its end, queueing what it yields (the worker thread's body)."""
+        """Run the turn to its end, queueing what it yields (the worker thread's body). `END` is
+        queued only once the stream is closed, so a stopped turn's session is free by then."""
+        stream = self.manager.stream_chat(
+            self.tenant,
+            self.session_id,
+            self.text,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+        )
         try:
-            for item in self.manager.stream_chat(
-                self.tenant,
-                self.session_id,
-                self.text,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-            ):
-                self.items.put(item)
+            # Closing the stream cancels the turn at the engine's next step; nothing is stored.
+            with contextlib.closing(stream):
+                for item in stream:
+                    if self._stop.is_set() and not isinstance(item, Reply):  # a Reply is stored already
+                        self.stopped = True
+                        break
+                    self.items.put(item)
+            if self.stopped and self.delete_on_failure:
+                self._delete_empty_session()
         # A thread boundary: whatever the turn raises must reach the tab's generator, which is
         # waiting on this queue (a ChatKVError is shown to the user, anything else is logged too).
         except Exception as exc:
@@ -198,24 +236,28 @@ class ChatUI:
         self.manager = manager
         self.local = local
         self._turns: set[threading.Thread] = set()
+        self._streaming: dict[tuple[str, str], _Turn] = {}
+        """(tenant id, session id) -> the turn in flight on it (one at most: the session's lease)."""
         self._turns_lock = threading.Lock()
         self._first_messages: dict[tuple[str, str], str] = {}
         """(tenant id, session id) -> the session's first user message (it never changes)."""
 
     # -- signing in ----------------------------------------------------------------------------
 
-    def on_load(self, state: ViewState) -> View:
-        """Page opened: local mode signs in as the `local` tenant (created if missing)."""
+    def on_load(self, state: ViewState, remembered: object = None) -> View:
+        """Page opened: local mode signs in as the `local` tenant (created if missing) and opens the
+        session this browser had open (`remembered`), if it is still there."""
         if not self.local:
             return self._signed_out()
         try:
             tenant = local_tenant(self.manager)
         except ChatKVError as exc:
             return _view(ViewState(), main_panel=gr.update(visible=True), error_line=_error_html(str(exc)))
-        return self._signed_in(tenant, None)
+        return self._signed_in(tenant, None, remembered)
 
-    def login(self, api_key: str, state: ViewState) -> View:
-        """Resolve a tenant API key; any wrong or unknown key gets `UNKNOWN_KEY_MESSAGE`."""
+    def login(self, api_key: str, state: ViewState, remembered: object = None) -> View:
+        """Resolve a tenant API key; any wrong or unknown key gets `UNKNOWN_KEY_MESSAGE`. The
+        session this browser had open is opened again if it is this tenant's."""
         key = (api_key or "").strip()
         if not key:
             return self._signed_out(message=_error_html(EMPTY_KEY_MESSAGE))
@@ -223,10 +265,11 @@ class ChatUI:
             tenant = self.manager.tenant_for_api_key(key)
         except TenantNotFound:
             return self._signed_out(message=_error_html(UNKNOWN_KEY_MESSAGE))
-        return self._signed_in(tenant, key)
+        return self._signed_in(tenant, key, remembered)
 
     def sign_out(self, state: ViewState) -> View:
-        return self._signed_out()
+        """Sign out and forget the open session in this browser."""
+        return self._signed_out()._replace(remembered=None)
 
     def _signed_out(self, message: str = "") -> View:
         # Every tenant-derived component is cleared, so the next sign-in never sees this one's data.
@@ -245,11 +288,13 @@ class ChatUI:
             stats_line="",
             stats_table=[],
             error_line="",
+            stop_button=_stop_button(False),
+            reply_note="",
         )
 
-    def _signed_in(self, tenant: Tenant, api_key: str | None) -> View:
+    def _signed_in(self, tenant: Tenant, api_key: str | None, remembered: object) -> View:
         state = ViewState(tenant=tenant, api_key=api_key)
-        return _view(
+        view = _view(
             state,
             login_panel=gr.update(visible=False),
             main_panel=gr.update(visible=True),
@@ -264,7 +309,17 @@ class ChatUI:
             stats_line="",
             stats_table=[],
             error_line="",
+            stop_button=_stop_button(False),
+            reply_note="",
         )
+        session_id = _remembered_session(remembered, tenant)
+        if session_id is None:
+            return view
+        try:
+            opened = self._open(tenant, session_id, state)
+        except ChatKVError:  # deleted since, or never this tenant's: start without it
+            return view._replace(remembered=None)
+        return _overlay(view, opened)._replace(session_picker=self._picker(tenant, session_id))
 
     def _tenant(self, state: ViewState) -> Tenant | View:
         """The tab's tenant, its API key checked again (it may have been rotated or deleted, or the
@@ -298,12 +353,22 @@ class ChatUI:
         if isinstance(tenant, View):
             return tenant
         if not session_id:
-            return _view(replace(state, session_id=None, shown=(), stats_rows=()), chatbot=[], session_info="")
+            return _view(
+                replace(state, session_id=None, shown=(), stats_rows=()),
+                chatbot=[],
+                session_info="",
+                reply_note="",
+                remembered=None,
+            )
         try:
-            info = self.manager.session_info(tenant, session_id)
-            history = self.manager.history(tenant, session_id)
+            return self._open(tenant, session_id, state)
         except ChatKVError as exc:
             return _view(state, error_line=_error_html(str(exc)))
+
+    def _open(self, tenant: Tenant, session_id: str, state: ViewState) -> View:
+        """The view of `state` with the tenant's session `session_id` open (raises `ChatKVError`)."""
+        info = self.manager.session_info(tenant, session_id)
+        history = self.manager.history(tenant, session_id)
         shown = tuple((m.role, m.text) for m in history if m.role in ("user", "assistant"))
         state = replace(state, session_id=info.id, shown=shown, stats_rows=())
         note = _note_html(
@@ -316,6 +381,8 @@ class ChatUI:
             stats_line=note if shown else "",
             stats_table=[],
             error_line="",
+            reply_note="",
+            remembered=_remembered(tenant, info.id),
         )
 
     def new_session(self, title: str, system_prompt: str, state: ViewState) -> View:
@@ -339,6 +406,8 @@ class ChatUI:
             stats_line="",
             stats_table=[],
             error_line="",
+            reply_note="",
+            remembered=_remembered(tenant, session_id),
         )
 
     def leave_session(self, state: ViewState) -> View:
@@ -359,6 +428,8 @@ class ChatUI:
             stats_line="",
             stats_table=[],
             error_line="",
+            reply_note="",
+            remembered=None,
         )
 
     def _picker(self, tenant: Tenant, selected: str | None) -> dict[str, Any]:
@@ -366,12 +437,11 @@ class ChatUI:
         return gr.update(choices=choices, value=selected)
 
     def _session_label(self, tenant: Tenant, info: SessionInfo) -> str:
-        """`title · time`; an untitled session is named by its first message, or `(empty)`."""
-        when = f"{info.last_active_at:%Y-%m-%d %H:%M}"
-        if info.title:
-            return f"{info.title} · {when}"
-        first = self._first_message(tenant, info) if info.message_count else None
-        return f"{_shorten(first, LABEL_CHARS)} · {when}" if first else f"(empty) · {when}"
+        """`name · 5 min ago`: the title, else the first message, else `(empty)`, shortened to
+        `LABEL_CHARS` (with an ellipsis), and when the session was last active."""
+        first = self._first_message(tenant, info) if info.message_count and not info.title else None
+        name = _shorten(info.title or first or "(empty)", LABEL_CHARS)
+        return f"{name} · {_ago(info.last_active_at, datetime.now(UTC))}"
 
     def _first_message(self, tenant: Tenant, info: SessionInfo) -> str | None:
         key = (str(tenant.id), str(info.id))
@@ -394,10 +464,11 @@ class ChatUI:
         self, message: str, max_new_tokens: float, temperature: float, state: ViewState
     ) -> Generator[View, None, None]:
         """Stream one turn: the reply grows on screen, then the turn's stats appear. Without an open
-        session a new untitled one is started (and deleted again if the turn fails). The message box
-        and Send are disabled while the reply streams. An error restores the message box and shows
-        one line. The turn runs in a worker thread: it completes (and is stored) even if this
-        generator is closed because the tab went away.
+        session a new untitled one is started (and deleted again if the turn fails or is stopped).
+        The message box and Send are disabled and Stop is shown while the reply streams. An error
+        restores the message box and shows one line; so does Stop, with `STOPPED_NOTE`. A reply cut
+        at `max_new_tokens` gets a note saying so. The turn runs in a worker thread: it completes
+        (and is stored) even if this generator is closed because the tab went away.
 
         Args:
             max_new_tokens: most tokens of the reply (a slider's float).
@@ -447,6 +518,9 @@ class ChatUI:
             send_button=_input(False),
             session_picker=picker,
             error_line="",
+            stop_button=_stop_button(True),
+            reply_note="",
+            remembered=_remembered(tenant, session_id) if created else gr.update(),
         )
         pieces: list[str] = []
         reply: Reply | None = None
@@ -465,13 +539,31 @@ class ChatUI:
                     pieces.append(item)
             if not done and len(pieces) > streamed:
                 yield _view(state, chatbot=_chat((*shown, ("assistant", "".join(pieces)))))
-        if reply is None:
+        if turn.stopped:
+            note = _note_html(STOPPED_NOTE, kind="stopped")
+            yield self._undone(before, tenant, text, turn.session_deleted, error_line="", reply_note=note)
+        elif reply is None:
             yield self._failed_turn(before, tenant, text, failure, turn.session_deleted)
-            return
-        yield self._after_turn(state, tenant, session_id, text, reply)
+        else:
+            yield self._after_turn(state, tenant, session_id, text, reply)
+
+    def stop(self, state: ViewState) -> dict[str, Any]:
+        """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
+        then ends with `STOPPED_NOTE` once the session is free; nothing of the turn is stored.
+        Returns the Stop button's update (disabled until `send` hides it). Its only output: the
+        tab's state is `send`'s to change."""
+        tenant = self._tenant(state)
+        if not isinstance(tenant, View) and state.session_id is not None:
+            with self._turns_lock:
+                turn = self._streaming.get((str(tenant.id), str(state.session_id)))
+            if turn is not None:
+                turn.stop()
+        return _stop_button(True, interactive=False)
 
     def _start_turn(self, turn: _Turn) -> _Turn:
         """Run `turn` in a worker thread, tracked until it ends (see `wait_for_turns`)."""
+
+        key = (str(turn.tenant.id), str(turn.session_id))
 
         def work() -> None:
             try:
@@ -479,10 +571,13 @@ class ChatUI:
             finally:
                 with self._turns_lock:
                     self._turns.discard(thread)
+                    if self._streaming.get(key) is turn:
+                        del self._streaming[key]
 
         thread = threading.Thread(target=work, name=f"chatkv-turn-{turn.session_id}", daemon=True)
         with self._turns_lock:
             self._turns.add(thread)
+            self._streaming[key] = turn
         thread.start()
         return turn
 
@@ -508,14 +603,21 @@ class ChatUI:
             message = str(failure)
         else:  # a bug, logged by the worker with its traceback
             message = "the turn failed (internal error, see the server log); nothing was stored"
+        return self._undone(state, tenant, text, session_deleted, error_line=_error_html(message))
+
+    def _undone(self, state: ViewState, tenant: Tenant, text: str, session_deleted: bool, **notes: Any) -> View:
+        """The tab as it was before the send (`state`), the message back in the box to edit or send
+        again: a failed or stopped turn stores nothing. `notes`: the error line and reply note."""
         view = _view(
             state,
             chatbot=_chat(state.shown),
             message=_input(True, value=text),
             send_button=_input(True),
-            error_line=_error_html(message),
+            stop_button=_stop_button(False),
+            **notes,
         )
         if session_deleted:
+            view = view._replace(remembered=_remembered(tenant, state.session_id))
             with contextlib.suppress(ChatKVError):
                 view = view._replace(session_picker=self._picker(tenant, None))
         return view
@@ -532,6 +634,8 @@ class ChatUI:
             send_button=_input(True),
             stats_line=_stats_html(turn, reply.stats),
             stats_table=[list(r) for r in state.stats_rows],
+            stop_button=_stop_button(False),
+            reply_note=_length_note(reply) if reply.finish_reason == "length" else "",
         )
         try:
             info = self.manager.session_info(tenant, session_id)
@@ -547,8 +651,10 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
 
     Stable element ids (for users' CSS and for tests): `api-key`, `login`, `login-message`,
     `tenant-line`, `session-picker`, `refresh-sessions`, `new-title`, `new-system-prompt`,
-    `new-session`, `max-new-tokens`, `temperature`, `sign-out`, `session-info`, `chat`, `message`,
-    `send`, `chat-error`, `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`,
+    `new-session`, `max-new-tokens`, `temperature`, `sign-out`, `session-info`, `chat`,
+    `reply-note` (a note about the last reply: `[data-note=stopped]` after Stop, `[data-note=length]`
+    when it reached Max new tokens), `message`, `send`, `stop` (shown while a reply streams),
+    `chat-error`, `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`,
     `prefill_tokens`, `reused_tokens`, `restored_from` (its `data-value` is the `TurnStats` value:
     new, device, host, disk or rebuilt), `restore_ms` (only for host and disk),
     `decode_tokens_per_s`, `context_tokens`) and `stats-table`.
@@ -557,6 +663,9 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
     max_tokens_limit = max(1, min(2048, manager.context_budget_tokens // 2))
     with gr.Blocks(title="chatkv", analytics_enabled=False) as blocks:
         state = gr.State(ViewState())
+        # Encrypted with a fixed secret so it survives server restarts; it hides nothing from the
+        # browser's user (who may see their own session id), and a value from any other tenant is ignored.
+        remembered = gr.BrowserState(None, storage_key=REMEMBERED_KEY, secret=REMEMBERED_KEY)
         gr.Markdown("## chatkv")
         with gr.Column(visible=not local, elem_id="login-panel") as login_panel:
             api_key = gr.Textbox(label="Tenant API key", type="password", elem_id="api-key", placeholder="ckv_...")
@@ -596,14 +705,17 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
                     buttons=["copy", "copy_all"],
                     placeholder=(
                         "Pick a session or just type: a new session starts with your first message. "
-                        "The clear button starts a new conversation; it deletes nothing."
+                        "The clear button starts a new conversation; it deletes nothing. "
+                        "Stop cancels a reply and discards it."
                     ),
                 )
+                reply_note = gr.HTML(elem_id="reply-note")
                 with gr.Row():
                     message = gr.Textbox(
                         label="Message", placeholder="Type a message, Enter to send", scale=5, elem_id="message"
                     )
                     send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="send")
+                    stop = gr.Button("Stop", variant="stop", scale=1, min_width=80, visible=False, elem_id="stop")
                 error_line = gr.HTML(elem_id="chat-error")
                 stats_line = gr.HTML(elem_id="turn-stats")
                 with gr.Accordion("Turn stats", open=False):
@@ -620,11 +732,12 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
             "api_key": api_key, "tenant_line": tenant_line, "session_picker": session_picker,
             "session_info": session_info, "chatbot": chatbot, "message": message, "send_button": send,
             "stats_line": stats_line, "stats_table": stats_table, "error_line": error_line,
+            "stop_button": stop, "reply_note": reply_note, "remembered": remembered,
         }  # fmt: skip
         outputs = [components[name] for name in View._fields]
         quick: dict[str, Any] = {"outputs": outputs, "api_visibility": "private", "show_progress": "hidden"}
-        blocks.load(ui.on_load, inputs=[state], **quick)
-        gr.on([login.click, api_key.submit], ui.login, inputs=[api_key, state], **quick)
+        blocks.load(ui.on_load, inputs=[state, remembered], **quick)
+        gr.on([login.click, api_key.submit], ui.login, inputs=[api_key, state, remembered], **quick)
         sign_out.click(ui.sign_out, inputs=[state], **quick)
         refresh.click(ui.refresh_sessions, inputs=[state], **quick)
         # `.input`, not `.change`: a handler setting the picker's value must not reload the history.
@@ -641,6 +754,8 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
             concurrency_limit=CHAT_CONCURRENCY,
             concurrency_id="chat",
         )
+        # Not queued behind the chats; its only output is the button (the state is `send`'s).
+        stop.click(ui.stop, inputs=[state], outputs=[stop], api_visibility="private", show_progress="hidden")
     blocks.queue(default_concurrency_limit=8)
     return blocks
 
@@ -686,8 +801,61 @@ def _error_html(message: str) -> str:
     return f'<div class="chatkv-error" role="alert">{html.escape(message)}</div>'
 
 
-def _note_html(message: str) -> str:
-    return f'<div class="chatkv-stats">{html.escape(message)}</div>'
+def _note_html(message: str, kind: str | None = None) -> str:
+    """A quiet line; with `kind` a note about the reply (`stopped`, `length`: its `data-note`)."""
+    if kind is None:
+        return f'<div class="chatkv-stats">{html.escape(message)}</div>'
+    return f'<div class="chatkv-note" data-note="{kind}">{html.escape(message)}</div>'
+
+
+def _length_note(reply: Reply) -> str:
+    limit = len(reply.token_ids)
+    return _note_html(
+        f"The reply stopped at the {limit}-token limit (Max new tokens): raise it, or ask to continue.",
+        kind="length",
+    )
+
+
+def _stop_button(visible: bool, *, interactive: bool = True) -> dict[str, Any]:
+    """The Stop button: shown only while a reply streams."""
+    return gr.update(visible=visible, interactive=interactive)
+
+
+def _overlay(base: View, top: View) -> View:
+    """`base` with every field that `top` changes (is not a bare `gr.update()`) taken from `top`."""
+    return base._replace(**{name: value for name, value in top._asdict().items() if value != gr.update()})
+
+
+def _remembered(tenant: Tenant, session_id: str | None) -> dict[str, str] | None:
+    """What the browser keeps of the open session (`None`: none open)."""
+    return None if session_id is None else {"tenant": str(tenant.id), "session": str(session_id)}
+
+
+def _remembered_session(remembered: object, tenant: Tenant) -> str | None:
+    """The session id the browser kept, if it was kept for `tenant` (the value comes from the
+    browser: anything else is ignored)."""
+    if not isinstance(remembered, dict) or remembered.get("tenant") != str(tenant.id):
+        return None
+    session_id = remembered.get("session")
+    return session_id if isinstance(session_id, str) and session_id else None
+
+
+def _ago(then: datetime, now: datetime) -> str:
+    """How long ago `then` was, as a picker label says it: `just now`, `5 min ago`, `3 h ago`,
+    `yesterday`, `4 days ago`, then the date (`Mar 5`, or `2024-03-05` in another year)."""
+    seconds = (now - then).total_seconds()
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)} h ago"
+    days = int(seconds // 86400)
+    if days == 1:
+        return "yesterday"
+    if days < 7:
+        return f"{days} days ago"
+    return f"{then:%b} {then.day}" if then.year == now.year else f"{then:%Y-%m-%d}"
 
 
 def _shorten(text: str, limit: int) -> str:

@@ -5,6 +5,8 @@ code 2 and the HTTP routes to a 4xx. A session id of another tenant raises the s
 as a missing id, with the same message, so the two cannot be told apart (invariant 2).
 """
 
+from __future__ import annotations
+
 
 class ChatKVError(Exception):
     """Base class of errors caused by the caller's input or by the state of the service."""
@@ -66,9 +68,27 @@ class ModelUnavailable(ChatKVError):
 
 
 class HomeLocked(ChatKVError):
-    """Another process (a running server) holds the chatkv home; work through its admin API instead."""
+    """Another process holds the chatkv home: a running server, or a process with its own
+    `SessionManager` open (one process owns a home). The message names the holder and says how to
+    reach it instead."""
 
     http_status = 409
+
+    @classmethod
+    def held_by(cls, holder: str, url: str | None, recovery: str) -> HomeLocked:
+        """The error for a `SessionManager` refused a home: `holder` in words, the holder's server
+        `url` (`None`: an embedding process without one), `recovery` for a stale lock."""
+        if url:
+            advice = (
+                f"use its HTTP API at {url} from this process instead "
+                f"(POST {url.rstrip('/')}/v1/chat/completions with a tenant API key)"
+            )
+        else:
+            advice = (
+                "share that process's manager, or run `chatkv serve` on this home and have every "
+                "process use its HTTP API (POST /v1/chat/completions)"
+            )
+        return cls(f"{holder} holds this home; a second SessionManager cannot open it: {advice} ({recovery})")
 
 
 class KeyMismatch(ChatKVError):

@@ -88,24 +88,25 @@ class SessionManager:
     """Tenants, sessions and turns over one model. Thread-safe; use as a context manager.
 
     Args:
-        settings: configuration; default `Settings.from_env()`.
+        settings: configuration; default `Settings()` (every field from `CHATKV_<FIELD>` when set).
         engine: an already loaded `Engine` to share (tests and benchmarks load the model once);
             default loads `settings.model`.
 
     Raises:
         ModelUnavailable: if the model cannot be loaded.
+        HomeLocked: if another process holds `settings.home` (its server's HTTP API is the way in).
         ValueError: for settings that cannot work with this model (window above its context).
     """
 
     def __init__(self, settings: Settings | None = None, *, engine: Engine | None = None) -> None:
-        self.settings = settings = settings or Settings.from_env()
+        self.settings = settings = settings or Settings()
         settings.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._home_lock = HomeLock(settings.home)
         try:
             # Start-up migrates and reconciles the stores: never on a home another process owns.
             self._home_lock.acquire()
         except HomeLockedError as exc:
-            raise HomeLocked(str(exc)) from None
+            raise HomeLocked.held_by(exc.holder, exc.owner.url, exc.recovery) from None
         started = False
         try:
             self._start(settings, engine)

@@ -1,8 +1,12 @@
-"""Settings of a chatkv process, from keyword arguments or `CHATKV_*` environment variables.
+"""Settings of a chatkv process: every field's default is the environment variable `CHATKV_<FIELD>`
+when it is set (`CHATKV_DATABASE_URL`, `CHATKV_DEVICE_BUDGET_BYTES`, ...), else the default declared
+below; keyword arguments win over both. So `Settings()`, `Settings.from_env()` and
+`SessionManager()` all read the same environment, and a worker started with `CHATKV_DATABASE_URL`
+uses that database whichever way it builds its settings.
 
 Settings live in `sessions/` (not `app/`) because `SessionManager` takes them and dependencies point
 `app -> sessions`. Byte sizes accept plain integers or units (`512MiB`, `2GB`); durations accept
-seconds or `30m`, `12h`, `7d`.
+seconds or `30m`, `12h`, `7d`; booleans `1/0`, `true/false`, `yes/no`, `on/off`.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import platformdirs
 
@@ -75,12 +81,68 @@ def _total_memory_bytes() -> int:
 def default_home() -> Path:
     """`$CHATKV_HOME`, else the per-user data directory (`~/.local/share/chatkv` on Linux)."""
     env = os.environ.get("CHATKV_HOME")
-    return Path(env) if env else Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+    return Path(env) if env else _user_data_home()
+
+
+def _user_data_home() -> Path:
+    return Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+
+
+def env_variable(name: str) -> str:
+    """The environment variable of a `Settings` field: `device_budget_bytes` -> `CHATKV_DEVICE_BUDGET_BYTES`."""
+    return f"CHATKV_{name.upper()}"
+
+
+_Cls = TypeVar("_Cls", bound=type)
+_DECLARED_DEFAULTS: dict[str, Callable[[], Any]] = {}
+"""Field name -> its declared default (what applies when `CHATKV_<FIELD>` is not set)."""
+
+
+def _defaults_from_env(cls: _Cls) -> _Cls:
+    """Give every field of `cls` the default `_from_env(name, declared default)`: the parsed
+    `CHATKV_<FIELD>` when set, else the declared default. Applied before `@dataclass`, which then
+    builds `__init__` with these default factories (so an explicit argument never reads the
+    environment)."""
+    for name in cls.__annotations__:
+        declared = cls.__dict__[name]
+        spec: Field[Any] = declared if isinstance(declared, Field) else field(default=declared)
+        if spec.default_factory is not MISSING:
+            fallback: Callable[[], Any] = spec.default_factory
+        else:
+            fallback = partial(_identity, spec.default)
+        _DECLARED_DEFAULTS[name] = fallback
+        spec.default, spec.default_factory = MISSING, partial(_from_env, os.environ, name, fallback)
+        setattr(cls, name, spec)
+    return cls
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _from_env(environ: Mapping[str, str], name: str, fallback: Callable[[], Any]) -> Any:
+    """Field `name` from `environ`'s `CHATKV_<FIELD>` (unset or empty: `fallback()`).
+
+    Raises:
+        ValueError: naming the variable, for a value that does not parse or is out of range.
+    """
+    variable = env_variable(name)
+    raw = environ.get(variable)
+    if raw is None or raw == "":
+        return fallback()
+    try:
+        value = _parse_field(name, raw)
+        _check_field(name, value)
+    except ValueError as exc:
+        raise ValueError(f"{variable}: {exc}") from None
+    return value
 
 
 @dataclass(frozen=True)
+@_defaults_from_env
 class Settings:
-    """Configuration of one `SessionManager`.
+    """Configuration of one `SessionManager`. Each field defaults to `CHATKV_<FIELD>` when that
+    environment variable is set (see the module docstring); keyword arguments win.
 
     Budgets are bytes of KV cache (keys and values of every model layer, plus quantisation scales).
     `None` budgets are derived from the machine in `__post_init__`: device and host 25% of RAM each,
@@ -89,10 +151,11 @@ class Settings:
 
     Raises:
         ValueError: for impossible values (non-positive budgets, a tenant quota above the device
-            budget, an unknown precision or persist mode), naming the field and the value.
+            budget, an unknown precision or persist mode), naming the field and the value; for a
+            `CHATKV_<FIELD>` value, naming the variable.
     """
 
-    home: Path = field(default_factory=default_home)
+    home: Path = field(default_factory=_user_data_home)
     model: str = DEFAULT_MODEL
     """`"default"` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model directory."""
     model_cache_dir: Path | None = None
@@ -147,23 +210,9 @@ class Settings:
         object.__setattr__(self, "home", Path(self.home).expanduser())
         if self.model_cache_dir is not None:
             object.__setattr__(self, "model_cache_dir", Path(self.model_cache_dir).expanduser())
-        if self.persist not in ("on_evict", "write_back"):
-            raise ValueError(f"persist must be 'on_evict' or 'write_back', got {self.persist!r}")
-        if self.offload_precision not in ("exact", "int8", "int4"):
-            raise ValueError(f"offload_precision must be 'exact', 'int8' or 'int4', got {self.offload_precision!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quant_residual_tokens < 0:
-            raise ValueError(f"quant_residual_tokens must be >= 0, got {self.quant_residual_tokens}")
-        if self.context_budget_tokens is not None and self.context_budget_tokens < 16:
-            raise ValueError(f"context_budget_tokens must be >= 16, got {self.context_budget_tokens}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.session_retention_s is not None and not 0 < self.session_retention_s <= MAX_DURATION_S:
-            raise ValueError(f"session_retention_s must be in (0, 100 years], got {self.session_retention_s}")
+        for f in fields(self):
+            _check_field(f.name, getattr(self, f.name))
         self.scheduler_config()  # raises ValueError for a bad engine limit
-        if not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         self._derive_budgets()
 
     def _derive_budgets(self) -> None:
@@ -174,11 +223,8 @@ class Settings:
             "disk_budget_bytes": self._default_disk_budget(),
         }
         for name, default in defaults.items():
-            value = getattr(self, name)
-            if value is None:
+            if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
-            elif value <= 0:
-                raise ValueError(f"{name} must be > 0 bytes, got {value}")
         if self.host_budget_bytes is not None and self.host_budget_bytes > ram:
             raise ValueError(f"host_budget_bytes={self.host_budget_bytes} exceeds this machine's memory ({ram} bytes)")
         quota = self.tenant_device_quota_bytes
@@ -227,25 +273,45 @@ class Settings:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from `CHATKV_<FIELD>` variables (e.g. `CHATKV_DEVICE_BUDGET_BYTES=2GiB`), then
-        `overrides` (keyword arguments that are not `None`).
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from `CHATKV_<FIELD>` variables of `environ`, then `overrides` (keyword
+        arguments that are not `None`). With the process environment (the default) this equals
+        `Settings(**overrides)`; pass `environ` to read another mapping instead (only that one).
 
         Raises:
-            ValueError: naming the variable whose value does not parse.
+            ValueError: naming the variable whose value does not parse or is out of range.
         """
         env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(f"CHATKV_{f.name.upper()}")
-            if raw is None or raw == "":
-                continue
-            try:
-                values[f.name] = _parse_field(f.name, raw)
-            except ValueError as exc:
-                raise ValueError(f"CHATKV_{f.name.upper()}: {exc}") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        read = {
+            name: _from_env(env, name, default) for name, default in _DECLARED_DEFAULTS.items() if name not in given
+        }
+        return cls(**read, **given)
+
+
+_CHOICES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "persist": (lambda v: v in ("on_evict", "write_back"), "'on_evict' or 'write_back'"),
+    "offload_precision": (lambda v: v in ("exact", "int8", "int4"), "'exact', 'int8' or 'int4'"),
+    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "device": (lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda, cuda:N or mps"),
+    "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
+    "context_budget_tokens": (lambda v: v >= 16, ">= 16"),
+    "threads": (lambda v: v >= 1, ">= 1"),
+    "session_retention_s": (lambda v: 0 < v <= MAX_DURATION_S, "in (0, 100 years]"),
+}
+"""What one field's value must be on its own (combinations are checked in `Settings.__post_init__`)."""
+
+
+def _check_field(name: str, value: Any) -> None:
+    """Raises `ValueError` naming the field when `value` cannot be field `name` (`None`: the derived default)."""
+    if value is None:
+        return
+    if name.endswith("_bytes"):
+        rule: tuple[Callable[[Any], bool], str] | None = (lambda v: v > 0, "> 0 bytes")
+    else:
+        rule = _CHOICES.get(name)
+    if rule is not None and not rule[0](value):
+        raise ValueError(f"{name} must be {rule[1]}, got {value!r}")
 
 
 def _parse_field(name: str, raw: str) -> Any:
@@ -262,6 +328,8 @@ def _parse_field(name: str, raw: str) -> Any:
         "max_running_per_tenant",
         "max_batch_requests",
     ):
+        if not re.fullmatch(r"\s*-?\d+\s*", raw):
+            raise ValueError(f"not an integer: {raw!r}")
         return int(raw)
     if name in ("pin_first_turn", "share_base", "metrics_tenant_labels"):
         lowered = raw.strip().lower()

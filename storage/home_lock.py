@@ -9,6 +9,10 @@ at 1) the recorded pid can belong to an unrelated live process. So the lock also
 process's start time (field 22 of `/proc/<pid>/stat`, clock ticks since boot) with the boot id,
 and a lock whose pid now has another start time is stale too. Without `/proc` (or for a lock
 written without a start time) only the pid is compared, and the error says how to recover.
+
+The lock also names what the holder runs (`chatkv serve`, `gunicorn`, `python -m uvicorn`: see
+`program_name`), so the error can say who holds the home; each layer adds its own advice (the CLI:
+`--server`; `SessionManager`: the holder's HTTP API).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,28 +31,66 @@ LOCK_FILE = "server.lock"
 
 
 class HomeLockedError(Exception):
-    """Another live process holds the home."""
+    """Another live process holds the home. `holder` names it in words (`describe_owner`),
+    `recovery` says what to do if it is not a chatkv process; the callers add their own advice."""
 
     def __init__(self, owner: LockOwner, home: Path) -> None:
         self.owner = owner
+        self.holder = describe_owner(owner)
         self.recovery = recovery_hint(home, owner)
-        super().__init__(
-            f"a chatkv server (pid {owner.pid}, {owner.url or 'no URL'}) holds this home; "
-            f"use --server URL (or CHATKV_SERVER) to go through its admin API ({self.recovery})"
-        )
+        super().__init__(f"{self.holder} holds this home ({self.recovery})")
 
 
 @dataclass(frozen=True)
 class LockOwner:
     pid: int
     url: str | None
+    """The server's URL; `None` for a process that only has a `SessionManager` open (embedded)."""
     started: str | None = None
     """`<boot id>:<start time in clock ticks>` of the process, `None` where unknown."""
+    program: str | None = None
+    """What the process runs (`program_name`), `None` for a lock written without it."""
+
+
+def describe_owner(owner: LockOwner) -> str:
+    """The holder in words: `the chatkv server at http://127.0.0.1:7860 (pid 12, chatkv serve)`,
+    `process 12 (gunicorn) with an open SessionManager`, or `another process` when the lock could
+    not be read."""
+    if owner.pid < 0:
+        return "another process"
+    if owner.url:
+        what = f"pid {owner.pid}, {owner.program}" if owner.program else f"pid {owner.pid}"
+        return f"the chatkv server at {owner.url} ({what})"
+    program = f" ({owner.program})" if owner.program else ""
+    return f"process {owner.pid}{program} with an open SessionManager"
 
 
 def recovery_hint(home: Path, owner: LockOwner) -> str:
     """What to do when the lock's pid is not a chatkv process (a lock this process cannot tell is stale)."""
     return f"if pid {owner.pid} is not a chatkv process, delete {home / LOCK_FILE}"
+
+
+_WORD = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def program_name(argv: Sequence[str] | None = None) -> str:
+    """What a process runs, in a few words, from its command line (default: this process's):
+    `chatkv serve`, `gunicorn`, `python -m uvicorn`, `worker.py`, `python -c`. Only the program and
+    a subcommand-like word are kept: the rest of a command line may hold secrets (tokens, keys)."""
+    args = list(sys.orig_argv if argv is None else argv)
+    if not args:
+        return "python"
+    words, rest = [Path(args[0]).name], args[1:]
+    if words[0].startswith("python"):
+        if rest[:1] == ["-c"]:
+            return f"{words[0]} -c"
+        if rest[:1] == ["-m"] and len(rest) > 1:
+            words, rest = [words[0], "-m", rest[1]], rest[2:]
+        elif rest and not rest[0].startswith("-"):
+            words, rest = [Path(rest[0]).name], rest[1:]
+    if rest and _WORD.fullmatch(rest[0]):
+        words.append(rest[0])
+    return " ".join(words)
 
 
 def process_started(pid: int) -> str | None:
@@ -76,7 +121,9 @@ def read_owner(home: Path) -> LockOwner | None:
     path = home / LOCK_FILE
     try:
         data = json.loads(path.read_text())
-        owner = LockOwner(int(data["pid"]), data.get("url"), data.get("started"))
+        pid = int(data["pid"])
+        program = data.get("program") if isinstance(data.get("program"), str) else None
+        owner = LockOwner(pid, data.get("url"), data.get("started"), program)
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
     return owner if owner.pid != os.getpid() and _holds(owner) else None
@@ -92,7 +139,8 @@ def _holds(owner: LockOwner) -> bool:
 
 
 def check_unlocked(home: Path) -> None:
-    """Raises `HomeLockedError` if a live server holds `home`."""
+    """Raises `HomeLockedError` if another live process (a server, or one with a `SessionManager`
+    open) holds `home`."""
     owner = read_owner(home)
     if owner is not None:
         raise HomeLockedError(owner, home)
@@ -144,7 +192,8 @@ class HomeLock:
 
     def _payload(self) -> bytes:
         pid = os.getpid()
-        return json.dumps({"pid": pid, "url": self.url, "started": process_started(pid)}).encode()
+        payload = {"pid": pid, "url": self.url, "started": process_started(pid), "program": program_name()}
+        return json.dumps(payload).encode()
 
     def _write_owner(self) -> None:
         self.path.write_bytes(self._payload())

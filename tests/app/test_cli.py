@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from cache.serialization import FORMAT_VERSION
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from storage.database import head_revision, make_engine
+from storage.home_lock import program_name
 from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, open_sealed, parse_master_key
 from storage.metadata_store import MetadataStore
 from storage.schema import SessionRow
@@ -387,19 +389,23 @@ def test_chat_bad_input(cli: Cli) -> None:
 # -- a live server holds the home ----------------------------------------------------------------
 
 
-@pytest.fixture
-def locked_home(home: Path) -> Iterator[int]:
-    """Another process holding the home's server lock, as `chatkv serve` does. Yields its pid."""
+@contextmanager
+def _held(home: Path, url: str | None) -> Iterator[int]:
+    """Another process holding the home's lock: as `chatkv serve` does (with its `url`), or as a
+    process with an embedded `SessionManager` does (`None`). Yields its pid."""
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
         "from storage.home_lock import HomeLock\n"
-        "with HomeLock(Path(sys.argv[1]), 'http://127.0.0.1:7999'):\n"
+        "with HomeLock(Path(sys.argv[1]), sys.argv[2] or None):\n"
         "    print('locked', flush=True)\n"
         "    time.sleep(120)\n"
     )
     process = subprocess.Popen(
-        [sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+        [sys.executable, "-c", code, str(home), url or ""],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
     )
     try:
         assert process.stdout is not None and process.stdout.readline() == "locked\n"
@@ -407,6 +413,24 @@ def locked_home(home: Path) -> Iterator[int]:
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.fixture
+def locked_home(home: Path) -> Iterator[int]:
+    """A server holding the home at http://127.0.0.1:7999. Yields its pid."""
+    with _held(home, "http://127.0.0.1:7999") as pid:
+        yield pid
+
+
+@pytest.fixture
+def embedded_home(home: Path) -> Iterator[int]:
+    """A process with its own `SessionManager` (no server) holding the home. Yields its pid."""
+    with _held(home, None) as pid:
+        yield pid
+
+
+HOLDER_PROGRAM = program_name([sys.executable, "-c"])
+"""How the lock names the holder processes above (`python -c`)."""
 
 
 @pytest.mark.parametrize(
@@ -424,14 +448,35 @@ def locked_home(home: Path) -> Iterator[int]:
 )
 def test_refuses_while_a_server_holds_the_home(cli: Cli, home: Path, locked_home: int, args: tuple[str, ...]) -> None:
     line = assert_one_line_error(cli(*args))
-    assert f"pid {locked_home}" in line and "http://127.0.0.1:7999" in line
-    assert line.endswith(f"(if pid {locked_home} is not a chatkv process, delete {home / 'server.lock'})")
+    holder = f"the chatkv server at http://127.0.0.1:7999 (pid {locked_home}, {HOLDER_PROGRAM}) holds this home"
+    recovery = f"(if pid {locked_home} is not a chatkv process, delete {home / 'server.lock'})"
     if args == ("serve",):  # going through the server's admin API is no answer to serve
+        assert line == f"error: {holder}; stop it or use another CHATKV_HOME {recovery}"
+    elif args[0] == "chat":
+        assert line == f"error: {holder}: chat in its UI at http://127.0.0.1:7999 {recovery}"
+    else:
         assert line == (
-            f"error: another chatkv server (pid {locked_home}, http://127.0.0.1:7999) holds this home; "
-            f"stop it or use another CHATKV_HOME (if pid {locked_home} is not a chatkv process, "
-            f"delete {home / 'server.lock'})"
+            f"error: {holder}; use --server http://127.0.0.1:7999 (or CHATKV_SERVER) to go through its "
+            f"admin API {recovery}"
         )
+
+
+@pytest.mark.parametrize("args", [("tenants", "list"), ("sessions", "list"), ("chat", "--tenant", "acme"), ("serve",)])
+def test_refuses_while_an_embedding_process_holds_the_home(
+    cli: Cli, home: Path, embedded_home: int, args: tuple[str, ...]
+) -> None:
+    """A process with its own `SessionManager` has no admin API to point to: the error names it."""
+    line = assert_one_line_error(cli(*args))
+    holder = f"process {embedded_home} ({HOLDER_PROGRAM}) with an open SessionManager holds this home"
+    recovery = f"(if pid {embedded_home} is not a chatkv process, delete {home / 'server.lock'})"
+    expected = {
+        "serve": f"error: {holder}; stop it or use another CHATKV_HOME {recovery}",
+        "chat": f"error: {holder}: stop it first {recovery}",
+    }.get(
+        args[0],
+        f"error: {holder}; stop it first, or serve the home with `chatkv serve` and use --server URL {recovery}",
+    )
+    assert line == expected
 
 
 # -- help and start-up -----------------------------------------------------------------------------

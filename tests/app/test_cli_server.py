@@ -155,7 +155,7 @@ def test_serve_on_a_home_held_by_a_server_says_so(server: Server) -> None:
         [str(CHATKV), "serve", "--port", str(_free_port())], env=server.env, capture_output=True, text=True, timeout=120
     )
     assert one_line_error(held, 2) == (
-        f"error: another chatkv server (pid {server.pid}, {server.url}) holds this home; "
+        f"error: the chatkv server at {server.url} (pid {server.pid}, chatkv serve) holds this home; "
         f"stop it or use another CHATKV_HOME (if pid {server.pid} is not a chatkv process, "
         f"delete {server.home / 'server.lock'})"
     )
@@ -231,3 +231,20 @@ def test_commands_without_server_refuse_while_it_runs(server: Server) -> None:
     for args in (("tenants", "list"), ("sessions", "evict", server.session_id, "--tenant", "acme", "--to", "drop")):
         line = one_line_error(chatkv(server, *args, via_server=False), 2)
         assert f"pid {server.pid}" in line and server.url in line and "--server" in line
+
+
+def test_server_option_after_the_subcommand(server: Server) -> None:
+    """`chatkv sessions list --tenant acme --server URL` works like `chatkv --server URL sessions list ...`
+    (without a server the home is refused: a server holds it), and wins over the global option."""
+    before = as_json(server, "sessions", "list", "--tenant", "acme")
+    after = chatkv(server, "sessions", "list", "--tenant", "acme", "--json", "--server", server.url, via_server=False)
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout) == before
+    unreachable = f"http://127.0.0.1:{_free_port()}"
+    wins = chatkv(server, "--server", unreachable, "stats", "--json", "--server", server.url, via_server=False)
+    assert wins.returncode == 0, wins.stderr
+    assert json.loads(wins.stdout)["live"] is True
+    for args in (("tenants", "list"), ("sessions", "restore", server.empty_session_id, "--tenant", "acme")):
+        result = chatkv(server, *args, "--server", server.url, via_server=False)
+        assert result.returncode == 0, (args, result.stderr)
+    assert "--server" in chatkv(server, "sessions", "list", "--help", via_server=False).stdout

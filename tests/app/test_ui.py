@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
 
 from app.server import build_app
-from app.ui import EMPTY_KEY_MESSAGE, LOCAL_TENANT, UNKNOWN_KEY_MESSAGE, ChatUI, View, ViewState, _error_html
+from app.ui import (
+    EMPTY_KEY_MESSAGE,
+    LABEL_CHARS,
+    LOCAL_TENANT,
+    STOPPED_NOTE,
+    UNKNOWN_KEY_MESSAGE,
+    ChatUI,
+    View,
+    ViewState,
+    _ago,
+    _error_html,
+    _note_html,
+)
 from sessions.manager import SessionManager
 
 UNKNOWN_KEY_HTML = _error_html(UNKNOWN_KEY_MESSAGE)
@@ -409,3 +422,129 @@ def test_opening_a_session_says_stats_cover_this_page_visit(tiny_manager: Sessio
     assert "this page visit" in reopened.stats_line and reopened.stats_table == []
     empty = ui.new_session("", "", reopened.state).state
     assert ui.select_session(empty.session_id, empty).stats_line == ""
+
+
+# -- stop, token limit, picker labels, the remembered session ----------------------------------------
+
+
+def test_stop_discards_the_reply_and_frees_the_session_at_once(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.new_session("", "", ui.on_load(ViewState()).state).state
+    sid = state.session_id
+    assert sid is not None
+    stream = ui.send("Tell me a long story", 1500, 0.0, state)
+    opening = next(stream)
+    assert opening.stop_button == {"__type__": "update", "visible": True, "interactive": True}
+    assert opening.reply_note == ""
+    streaming = next(stream)
+    assert streaming.chatbot[-1]["role"] == "assistant" and streaming.chatbot[-1]["content"]
+
+    assert ui.stop(streaming.state) == {"__type__": "update", "visible": True, "interactive": False}
+    stopped = list(stream)[-1]
+    assert stopped.reply_note == _note_html(STOPPED_NOTE, kind="stopped")
+    assert 'data-note="stopped"' in stopped.reply_note
+    assert stopped.state == state  # the partial reply and the message are not on screen
+    assert stopped.chatbot == [] and stopped.error_line == ""
+    assert stopped.message == {"__type__": "update", "value": "Tell me a long story", "interactive": True}
+    assert stopped.send_button["interactive"] is True
+    assert stopped.stop_button == {"__type__": "update", "visible": False, "interactive": True}
+    assert tiny_manager.history(LOCAL_TENANT, sid) == []  # nothing of the turn was stored
+
+    again = _send(ui, stopped.state, "Hi")  # no SessionBusy: the session was free when the view came
+    assert again[0].reply_note == "" and again[-1].error_line == {"__type__": "update"}
+    assert tiny_manager.history(LOCAL_TENANT, sid)[0].text == "Hi"
+    assert _stat(again[-1], "turn") == "1"
+
+
+def test_stopping_a_first_turn_deletes_the_session_it_started(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    stream = ui.send("Tell me a long story", 1500, 0.0, state)
+    opening = next(stream)
+    assert opening.remembered == {"tenant": str(state.tenant.id), "session": opening.state.session_id}  # type: ignore[union-attr]
+    ui.stop(next(stream).state)
+    stopped = list(stream)[-1]
+    assert 'data-note="stopped"' in stopped.reply_note
+    assert stopped.state == state and stopped.session_picker["choices"] == []
+    assert stopped.remembered is None
+    assert tiny_manager.list_sessions(LOCAL_TENANT) == []
+
+
+def test_stop_without_a_turn_in_flight_changes_nothing(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    done = _send(ui, ui.on_load(ViewState()).state, "Hello")[-1]
+    assert ui.stop(done.state) == {"__type__": "update", "visible": True, "interactive": False}
+    assert ui.stop(ViewState()) == {"__type__": "update", "visible": True, "interactive": False}
+    assert len(tiny_manager.history(LOCAL_TENANT, str(done.state.session_id))) == 2
+
+
+def test_a_reply_cut_at_the_token_limit_says_so(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    cut = _send(ui, ui.on_load(ViewState()).state, "Hello", max_new_tokens=3)[-1]
+    [_, assistant] = tiny_manager.history(LOCAL_TENANT, str(cut.state.session_id))
+    assert len(assistant.token_ids) == 3  # the tiny model sampled no stop token: finish_reason "length"
+    assert cut.reply_note == (
+        '<div class="chatkv-note" data-note="length">The reply stopped at the 3-token limit (Max new tokens): '
+        "raise it, or ask to continue.</div>"
+    )
+    assert cut.stop_button["visible"] is False
+    assert _send(ui, cut.state, "More", max_new_tokens=3)[0].reply_note == ""  # cleared by the next send
+
+
+def test_ago_says_how_long_ago_in_a_few_characters() -> None:
+    now = datetime(2025, 6, 15, 12, 0, tzinfo=UTC)
+    cases = {
+        timedelta(seconds=20): "just now",
+        timedelta(minutes=5, seconds=59): "5 min ago",
+        timedelta(hours=3, minutes=10): "3 h ago",
+        timedelta(days=1, hours=5): "yesterday",
+        timedelta(days=4): "4 days ago",
+        timedelta(days=30): "May 16",
+        timedelta(days=400): "2024-05-11",
+    }
+    assert {delta: _ago(now - delta, now) for delta in cases} == cases
+
+
+def test_picker_labels_are_short_and_say_how_recent(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    long_title = "Quarterly planning for the infrastructure migration of the billing platform"
+    view = ui.new_session(long_title, "", state)
+    [(label, _)] = view.session_picker["choices"]
+    assert label == "Quarterly planning for the infrastructu… · just now"
+    assert len(label.split(" · ")[0]) == LABEL_CHARS
+
+
+def test_the_open_session_is_remembered_for_the_next_page_load(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    chatted = _send(ui, ui.on_load(ViewState()).state, "Remember me")[-1]
+    tenant, sid = chatted.state.tenant, chatted.state.session_id
+    assert tenant is not None and sid is not None
+    remembered = {"tenant": str(tenant.id), "session": sid}
+    assert ui.select_session(sid, chatted.state).remembered == remembered
+
+    reloaded = ui.on_load(ViewState(), remembered)  # a new tab state, the browser's stored value
+    assert reloaded.state.session_id == sid and reloaded.state.shown == chatted.state.shown
+    assert reloaded.chatbot == chatted.chatbot
+    assert reloaded.session_picker["value"] == sid and reloaded.remembered == remembered
+    assert "this page visit" in reloaded.stats_line
+
+    # Another tenant's value, a deleted session or garbage from the browser: signed in, nothing open.
+    for stale in ({"tenant": "tn_0000000000000000", "session": sid}, {"tenant": str(tenant.id), "session": "s_x"}, 7):
+        fresh = ui.on_load(ViewState(), stale)
+        assert fresh.state == ViewState(tenant=tenant) and fresh.chatbot == [] and fresh.error_line == ""
+    assert ui.leave_session(chatted.state).remembered is None
+    assert ui.select_session(None, chatted.state).remembered is None
+
+
+def test_signing_in_reopens_the_remembered_session_of_that_tenant_only(tiny_manager: SessionManager) -> None:
+    acme, beta = tiny_manager.create_tenant("acme"), tiny_manager.create_tenant("beta")
+    acme_sid = tiny_manager.open_session(acme, title="acme plans")
+    ui = ChatUI(tiny_manager, local=False)
+    remembered = {"tenant": str(acme.id), "session": acme_sid}
+    signed_in = ui.login(tiny_manager.issue_api_key(acme), ViewState(), remembered)
+    assert signed_in.state.session_id == acme_sid and signed_in.session_picker["value"] == acme_sid
+    other = ui.login(tiny_manager.issue_api_key(beta), ViewState(), remembered)
+    assert other.state.session_id is None and other.session_picker["choices"] == []
+    assert other.remembered == {"__type__": "update"}  # left for acme's next sign-in in this browser
+    assert ui.sign_out(signed_in.state).remembered is None  # signing out forgets it

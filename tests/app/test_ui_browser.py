@@ -1,5 +1,6 @@
 """The real page in headless Chromium against a real server process (tiny model, local mode): two
-turns, and the second one's stats on the page show the cache was reused.
+turns, and the second one's stats on the page show the cache was reused; Stop cancels a long reply
+and the session takes the next message at once; a reload opens the same session again.
 
 Chromium is the system browser (Debian `chromium`, installed by `.ci/run`); Playwright drives it by
 path and never downloads one. Without it the test is skipped with the reason shown by `-ra`.
@@ -163,6 +164,13 @@ def _send(page: Page, text: str) -> None:
     box.press("Enter")
 
 
+def _set_number(page: Page, elem_id: str, value: str) -> None:
+    """Type `value` into a slider's number box."""
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(value)
+    box.press("Enter")
+
+
 def test_second_turn_in_the_browser_reuses_the_cache(chromium: Path, local_server: Server) -> None:
     server = local_server
     with sync_playwright() as playwright:
@@ -199,6 +207,54 @@ def test_second_turn_in_the_browser_reuses_the_cache(chromium: Path, local_serve
     # SIGTERM shuts the server down cleanly (exit code 0): caches persisted, home lock released.
     assert server.stop() == 0, server.log.read_text()
     assert not (server.home / "server.lock").exists()
+
+
+def test_stop_cancels_a_long_reply_and_the_session_takes_the_next_message(chromium: Path, local_server: Server) -> None:
+    server = local_server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(server.url)
+            page.locator("#message textarea").wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            _set_number(page, "max-new-tokens", "6")
+            _send(page, "Hello there")
+            first = _stats(page, 1)
+
+            # A long reply: the slider's largest limit, sampled at temperature 1 (the tiny model's
+            # near-uniform distribution makes an early stop token very unlikely).
+            limit = page.locator("#max-new-tokens input[type=number]").get_attribute("max")
+            assert limit is not None and int(limit) > 1000
+            _set_number(page, "max-new-tokens", limit)
+            _set_number(page, "temperature", "1")
+            assert not page.locator("#stop").is_visible()  # only while a reply streams
+            _send(page, "Tell me a very long story")
+            stop = page.locator("#stop")
+            stop.wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            page.locator("#chat").get_by_text("Tell me a very long story").wait_for(timeout=TURN_TIMEOUT_MS)
+            stop.click()
+
+            note = page.locator('#reply-note [data-note="stopped"]')
+            note.wait_for(timeout=TURN_TIMEOUT_MS)
+            assert note.inner_text().startswith("Stopped. The partial reply was discarded")
+            # Discarded: the message is back in the box, not in the conversation.
+            assert page.locator("#message textarea").input_value() == "Tell me a very long story"
+            assert page.locator("#chat").get_by_text("Tell me a very long story").count() == 0
+            assert not stop.is_visible() and page.locator("#send").is_enabled()
+
+            _set_number(page, "max-new-tokens", "6")
+            _send(page, "And then?")  # at once: the stopped turn left the session free and its cache as it was
+            second = _stats(page, 2)
+            assert page.locator("#chat-error").inner_text().strip() == ""
+            assert second["restored_from"] == "device"
+            assert int(second["reused_tokens"]) == int(first["context_tokens"])
+            assert page.locator('#reply-note [data-note="stopped"]').count() == 0
+
+            page.reload()  # the open session is remembered in the browser
+            page.locator("#chat").get_by_text("And then?").wait_for(timeout=TURN_TIMEOUT_MS)
+            assert page.locator("#session-picker input").input_value().startswith("Hello there · ")
+        finally:
+            browser.close()
 
 
 def fill_once_hydrated(page: Any, box: Any, text: str) -> None:

@@ -192,6 +192,48 @@ def test_a_manager_refuses_a_home_that_a_live_server_holds(tmp_path, tiny_engine
         pass
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:7999", None])
+def test_a_refused_manager_names_the_holder_and_points_to_its_http_api(tmp_path, tiny_engine, url) -> None:  # type: ignore[no-untyped-def]
+    """Inside Python the way to a home another process holds is that process's HTTP API (or its
+    manager), never a CLI flag."""
+    import subprocess
+    import sys
+
+    from sessions.errors import HomeLocked
+    from storage.home_lock import program_name
+    from tests.conftest import make_settings
+
+    home = tmp_path / "home"
+    code = (
+        "import sys, time; from pathlib import Path; from storage.home_lock import HomeLock;"
+        "lock = HomeLock(Path(sys.argv[1]), sys.argv[2] or None).acquire(); print('held', flush=True); time.sleep(60)"
+    )
+    argv = [sys.executable, "-c", code, str(home), url or ""]
+    holder = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    recovery = f"(if pid {holder.pid} is not a chatkv process, delete {home / 'server.lock'})"
+    program = program_name(argv)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(HomeLocked) as refused:
+            SessionManager(make_settings(home), engine=tiny_engine)
+    finally:
+        holder.kill()
+        holder.wait()
+    if url:
+        assert str(refused.value) == (
+            f"the chatkv server at {url} (pid {holder.pid}, {program}) holds this home; a second "
+            f"SessionManager cannot open it: use its HTTP API at {url} from this process instead "
+            f"(POST {url}/v1/chat/completions with a tenant API key) {recovery}"
+        )
+    else:
+        assert str(refused.value) == (
+            f"process {holder.pid} ({program}) with an open SessionManager holds this home; a second "
+            "SessionManager cannot open it: share that process's manager, or run `chatkv serve` on this home "
+            f"and have every process use its HTTP API (POST /v1/chat/completions) {recovery}"
+        )
+    assert "--server" not in str(refused.value)
+
+
 def test_rotation_under_a_master_key_that_wrapped_nothing_is_refused_with_a_typed_error(tmp_path, tiny_engine) -> None:  # type: ignore[no-untyped-def]
     import base64
 

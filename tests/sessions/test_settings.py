@@ -1,0 +1,125 @@
+"""`Settings` read `CHATKV_<FIELD>` for every field, whichever way they are built (`Settings()`,
+`Settings.from_env()`, `SessionManager()`), and keyword arguments win."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import pytest
+
+from sessions.settings import Settings, env_variable
+
+# One value per field, as text in the environment and as the field holds it.
+ENVIRONMENT: dict[str, tuple[str, Any]] = {
+    "home": ("/srv/chatkv", Path("/srv/chatkv")),
+    "model": ("/models/smol", "/models/smol"),
+    "model_cache_dir": ("/srv/models", Path("/srv/models")),
+    "database_url": ("postgresql+psycopg://chatkv@db/chatkv", "postgresql+psycopg://chatkv@db/chatkv"),
+    "device": ("cpu", "cpu"),
+    "dtype": ("bfloat16", "bfloat16"),
+    "threads": ("3", 3),
+    "device_budget_bytes": ("1GiB", 2**30),
+    "host_budget_bytes": ("512MiB", 512 * 2**20),
+    "disk_budget_bytes": ("2GB", 2 * 10**9),
+    "tenant_device_quota_bytes": ("256MiB", 256 * 2**20),
+    "persist": ("on_evict", "on_evict"),
+    "master_key": ("Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE=", "Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE="),
+    "context_budget_tokens": ("1024", 1024),
+    "pin_first_turn": ("yes", True),
+    "share_base": ("0", False),
+    "offload_precision": ("int8", "int8"),
+    "quant_residual_tokens": ("16", 16),
+    "max_step_tokens": ("128", 128),
+    "max_running_requests": ("8", 8),
+    "max_running_per_tenant": ("2", 2),
+    "max_batch_requests": ("4", 4),
+    "admin_token": ("s3cret", "s3cret"),
+    "session_retention_s": ("30d", 30 * 86400.0),
+    "metrics_tenant_labels": ("on", True),
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `CHATKV_<FIELD>` inherited from the shell that runs the tests."""
+    for f in fields(Settings):
+        monkeypatch.delenv(env_variable(f.name), raising=False)
+
+
+def test_every_field_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(ENVIRONMENT) == {f.name for f in fields(Settings)}  # a new field needs a row here
+    for name, (text, _) in ENVIRONMENT.items():
+        monkeypatch.setenv(env_variable(name), text)
+    built = Settings()
+    assert {name: getattr(built, name) for name in ENVIRONMENT} == {name: v for name, (_, v) in ENVIRONMENT.items()}
+    assert Settings.from_env() == built
+    assert Settings.from_env({f"CHATKV_{name.upper()}": text for name, (text, _) in ENVIRONMENT.items()}) == built
+
+
+def test_a_worker_started_with_a_database_url_uses_that_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = "postgresql+psycopg://chatkv@db.internal/chatkv"
+    monkeypatch.setenv("CHATKV_DATABASE_URL", url)
+    assert Settings().database_url == url
+    assert Settings().resolved_database_url == url
+    assert Settings.from_env().database_url == url
+    assert Settings(home=Path("/elsewhere")).database_url == url  # other keywords do not drop it
+
+
+def test_keyword_arguments_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHATKV_DATABASE_URL", "sqlite:////env.db")
+    monkeypatch.setenv("CHATKV_THREADS", "not a number")  # never read: the keyword is given
+    assert Settings(database_url="sqlite:////kw.db", threads=2).database_url == "sqlite:////kw.db"
+    assert Settings.from_env(threads=2).threads == 2
+    assert Settings.from_env(database_url="sqlite:////kw.db", threads=2).database_url == "sqlite:////kw.db"
+    assert Settings(threads=2).with_overrides(max_step_tokens=64).database_url == "sqlite:////env.db"
+
+
+def test_unset_or_empty_variables_leave_the_declared_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    monkeypatch.setenv("CHATKV_DATABASE_URL", "")
+    built = Settings()
+    assert (built.home, built.database_url, built.device, built.max_step_tokens) == (tmp_path, None, "auto", 256)
+    assert built.resolved_database_url == f"sqlite:///{tmp_path / 'chatkv.db'}"
+    # An explicit mapping is the only environment read.
+    assert Settings.from_env({}).home == Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "CHATKV_DEVICE_BUDGET_BYTES",
+            "lots",
+            "CHATKV_DEVICE_BUDGET_BYTES: not a byte size: 'lots' (examples: 1048576, 512MiB, 2GB)",
+        ),
+        ("CHATKV_HOST_BUDGET_BYTES", "0", "CHATKV_HOST_BUDGET_BYTES: host_budget_bytes must be > 0 bytes, got 0"),
+        ("CHATKV_THREADS", "two", "CHATKV_THREADS: not an integer: 'two'"),
+        ("CHATKV_THREADS", "0", "CHATKV_THREADS: threads must be >= 1, got 0"),
+        ("CHATKV_DEVICE", "tpu", "CHATKV_DEVICE: device must be auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
+        ("CHATKV_PERSIST", "never", "CHATKV_PERSIST: persist must be 'on_evict' or 'write_back', got 'never'"),
+        ("CHATKV_SHARE_BASE", "maybe", "CHATKV_SHARE_BASE: not a boolean: 'maybe'"),
+        (
+            "CHATKV_SESSION_RETENTION_S",
+            "soon",
+            "CHATKV_SESSION_RETENTION_S: not a duration: 'soon' (examples: 90, 30m, 12h, 7d)",
+        ),
+    ],
+)
+def test_a_bad_value_names_its_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    for build in (Settings, Settings.from_env):
+        with pytest.raises(ValueError) as raised:
+            build()
+        assert str(raised.value) == message
+
+
+def test_keyword_values_are_checked_as_before() -> None:
+    with pytest.raises(ValueError, match=r"^threads must be >= 1, got 0$"):
+        Settings(threads=0)
+    with pytest.raises(ValueError, match=r"^device_budget_bytes must be > 0 bytes, got -1$"):
+        Settings(device_budget_bytes=-1)
