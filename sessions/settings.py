@@ -137,6 +137,13 @@ class Settings:
     max_batch_requests: int = 0
     """Turns per forward pass (0: every running turn). 1 turns batching off (turns take turns)."""
 
+    reuse_kv: bool = True
+    """Continue each session from its cache. Off, every turn re-prefills the whole conversation
+    (the rebuild path, without the prefix pool) and no cache is kept: a baseline for benchmarks
+    (`benchmarks/http_multiturn.py`), not a mode to serve in."""
+    max_concurrent_requests_per_tenant: int = 16
+    """Requests one tenant may have in flight on the `/v1/` API at once; more are answered 429."""
+
     admin_token: str | None = field(default=None, repr=False)
     session_retention_s: float | None = None
     """Sessions idle longer than this are removed by `gc`; `None` keeps them forever."""
@@ -162,6 +169,9 @@ class Settings:
         if self.session_retention_s is not None and not 0 < self.session_retention_s <= MAX_DURATION_S:
             raise ValueError(f"session_retention_s must be in (0, 100 years], got {self.session_retention_s}")
         self.scheduler_config()  # raises ValueError for a bad engine limit
+        limit = self.max_concurrent_requests_per_tenant
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_concurrent_requests_per_tenant must be an integer >= 1, got {limit!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         self._derive_budgets()
@@ -261,9 +271,10 @@ def _parse_field(name: str, raw: str) -> Any:
         "max_running_requests",
         "max_running_per_tenant",
         "max_batch_requests",
+        "max_concurrent_requests_per_tenant",
     ):
         return int(raw)
-    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels"):
+    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv"):
         lowered = raw.strip().lower()
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"not a boolean: {raw!r}")
