@@ -10,7 +10,8 @@ still does: the admin API answers a request without its token 401 without readin
 
 The refusal is raised from `receive` as a Starlette `HTTPException`, which FastAPI's body parsing
 passes on unchanged, so each app answers it in its own error shape (`{"error": ...}` under
-`/admin/`, `{"detail": ...}` from Gradio); the middleware answers it itself if nobody did.
+`/admin/`, OpenAI's `{"error": {...}}` under `/v1/`, `{"detail": ...}` from Gradio); the middleware
+answers it itself if nobody did.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ DEFAULT_BODY_LIMITS = BodyLimits(
     default_bytes=8 * MIB,
     prefix_bytes={
         "/admin/": 64 * KIB,  # a tenant name or a master key
+        # A stateless client posts the whole conversation: room for one message of the largest size
+        # as JSON escapes (6 bytes a character) plus a history that fits a context window.
+        "/v1/": 8 * MIB,
         # The page has no file input: Gradio's upload routes store whatever they are sent.
         "/gradio_api/upload": 0,
         "/gradio_api/process_recording": 0,

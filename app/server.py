@@ -1,4 +1,5 @@
-"""The chatkv server: Gradio chat UI at `/`, admin JSON API under `/admin/`, Prometheus `/metrics`.
+"""The chatkv server: Gradio chat UI at `/`, the OpenAI-compatible and session API under `/v1/`,
+admin JSON API under `/admin/`, Prometheus `/metrics`; the OpenAPI schema at `/openapi.json`.
 
 One process, one `SessionManager`, one FastAPI app served by uvicorn. The server holds the chatkv
 home's lock file while it runs (see `storage.home_lock`).
@@ -84,16 +85,31 @@ def build_app(
 
     Args:
         local: single-tenant local mode (no API key asked; the UI uses the `local` tenant).
-        token: the admin token the `/admin/` routes require.
+        token: the admin token the `/admin/` routes require (`/v1/` takes tenants' API keys).
         body_limits: the largest request body per path (413 above it; see `app.body_limits`).
     """
     import gradio as gr
 
     from app.admin_api import admin_router
+    from app.api_auth import TenantLimiter, api_route_class
+    from app.openai_api import openai_router
+    from app.session_api import Prefetcher, session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
-    app = FastAPI(title="chatkv", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="chatkv",
+        description="Chat sessions that keep their KV cache. `/v1/`: OpenAI-compatible chat completions and "
+        "chatkv's sessions, authenticated with a tenant's API key as a bearer token.",
+        docs_url=None,
+        redoc_url=None,
+    )
     app.include_router(admin_router(manager, token), prefix="/admin")
+    limiter = TenantLimiter(manager.settings.max_concurrent_requests_per_tenant)
+    route_class = api_route_class(manager, limiter)
+    prefetcher = Prefetcher(manager)
+    app.state.prefetcher = prefetcher
+    app.include_router(openai_router(manager, route_class), prefix="/v1")
+    app.include_router(session_router(manager, route_class, prefetcher), prefix="/v1")
     chat_ui = ChatUI(manager, local=local)
     app.state.chat_ui = chat_ui
 
@@ -167,6 +183,8 @@ def serve(
             sock.close()
         if app is not None and not app.state.chat_ui.wait_for_turns(SHUTDOWN_TURN_WAIT_S):
             log.warning("chat turns still running after %.0f s are abandoned", SHUTDOWN_TURN_WAIT_S)
+        if app is not None:
+            app.state.prefetcher.close()  # uvicorn has already waited for the /v1/ requests in flight
         manager.close()
 
 

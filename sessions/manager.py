@@ -20,7 +20,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -52,11 +52,13 @@ from sessions.offload import EncryptedCacheSealer, TierBlobStore
 from sessions.records import Message, Reply, RestoreResult, Role, SessionInfo, Tenant
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
+from sessions.stop_strings import StopStrings
 from sessions.turns import Transcript, TurnOutcome, TurnRunner
 from sessions.validation import check_text, valid_id
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, secure_erase_freed_pages, upgrade
+from storage.history_digest import history_digest
 from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import TenantKeys, load_master_key
 from storage.metadata_store import AlreadyExists, MessageRecord, MetadataStore, SessionRecord, TenantRecord
@@ -182,6 +184,7 @@ class SessionManager:
             tiers=self.tiers,
             window=WindowPolicy(budget),
             share_base=settings.share_base,
+            reuse_kv=settings.reuse_kv,
         )
         # Transcripts of recently active sessions (a turn renders the whole conversation); bounded
         # so a service with many sessions does not keep every transcript in memory.
@@ -321,11 +324,23 @@ class SessionManager:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    def open_session(self, tenant: TenantRef, system_prompt: str | None = None, title: str | None = None) -> SessionId:
+    def open_session(
+        self,
+        tenant: TenantRef,
+        system_prompt: str | None = None,
+        title: str | None = None,
+        *,
+        history: Sequence[tuple[str, str]] = (),
+    ) -> SessionId:
         """Create a session.
 
+        Args:
+            history: earlier turns to start from, `(user text, reply text)` each: a conversation
+                a client brings along (the OpenAI API's stateless requests). The replies were not
+                generated here, so their ids are their tokenised text; the first turn re-prefills.
+
         Raises:
-            InvalidInput: for a non-string prompt or an overlong title.
+            InvalidInput: for a non-string prompt or history text, or an overlong title.
             ContextTooLong: if the system prompt leaves less than `MIN_TURN_TOKENS` of the
                 context window for the conversation.
         """
@@ -334,6 +349,16 @@ class SessionManager:
             check_text(system_prompt, "system_prompt", MAX_MESSAGE_CHARS)
         if title is not None:
             check_text(title, "title", MAX_TITLE_CHARS)
+        messages: list[tuple[str, str, tuple[int, ...]]] = []
+        for user_text, reply_text in history:
+            check_text(user_text, "a history message", MAX_MESSAGE_CHARS)
+            check_text(reply_text, "a history reply", MAX_MESSAGE_CHARS)
+            # Ended like a complete reply (a stop token), so an empty one reads as one too.
+            reply_ids = (
+                *self.engine.tokenizer.encode(reply_text, add_special_tokens=False),
+                self.engine.stop_token_ids[0],
+            )
+            messages += [("user", user_text, ()), ("assistant", reply_text, reply_ids)]
         if system_prompt:
             # The system prompt is pinned in every turn's window; leave room for a short turn.
             needed = len(self.template.system_prefix_ids(system_prompt)) + MIN_TURN_TOKENS
@@ -348,8 +373,26 @@ class SessionManager:
             system_prompt=system_prompt,
             model_fingerprint=self.engine.fingerprint,
             pinned_turns=pinned,
+            messages=messages,
         )
         return session_id
+
+    def find_sessions_by_history(
+        self, tenant: TenantRef, system_prompt: str | None, turns: Sequence[tuple[str, str]]
+    ) -> list[SessionId]:
+        """The tenant's sessions whose history is exactly `system_prompt` and `turns` (user text,
+        reply text as it was returned: `Reply.text`), most recently active first: one keyed query
+        on the history digest (`storage.history_digest`). Without turns there is nothing to reuse
+        and nothing is found. Sessions from before the digest existed are never found.
+
+        A found session may move on before its next turn: continue it with
+        `stream_chat(..., expected_turns=len(turns))`.
+        """
+        tenant_id = self._tenant_id(tenant)
+        if not turns:
+            return []
+        digest = history_digest(system_prompt, turns)
+        return [SessionId(s) for s in self.metadata.sessions_by_history(tenant_id=tenant_id, history_digest=digest)]
 
     def tiers_key(self, tenant: TenantRef, session_id: str) -> CacheKey:
         """The tier manager's key of a session (for operators and tests)."""
@@ -512,6 +555,7 @@ class SessionManager:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        stop: Sequence[str] = (),
     ) -> Reply:
         """Send a user message and return the reply. See `stream_chat` for the errors."""
         reply = None
@@ -523,6 +567,7 @@ class SessionManager:
             temperature=temperature,
             top_p=top_p,
             seed=seed,
+            stop=stop,
         ):
             if isinstance(item, Reply):
                 reply = item
@@ -540,17 +585,27 @@ class SessionManager:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        stop: Sequence[str] = (),
+        expected_turns: int | None = None,
     ) -> Generator[str | Reply, None, None]:
         """Yield reply text pieces as they are generated, then the `Reply`. The pieces joined equal
         `Reply.text`. The turn is stored when the generator finishes; abandoning it stores nothing.
 
+        Args:
+            stop: up to 4 strings that end the reply once its text contains one; `Reply.text`
+                ends before it, the transcript keeps every generated id and their whole text.
+            expected_turns: continue only if the session has exactly this many turns (it was found
+                by its history, and another turn may have got there first).
+
         Raises:
             TenantNotFound, SessionNotFound: unknown tenant, or a session not of this tenant.
-            InvalidInput: empty or overlong message, bad sampling parameters.
-            SessionBusy: another turn of this session is in flight.
+            InvalidInput: empty or overlong message, bad sampling parameters or stop strings.
+            SessionBusy: another turn of this session is in flight, or it moved on from
+                `expected_turns`.
             ContextTooLong: the message plus `max_new_tokens` cannot fit the context window.
         """
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        stop_strings = StopStrings(stop)
         check_text(message, "message", MAX_MESSAGE_CHARS)
         if not message.strip():
             raise InvalidInput("message must be a non-empty string")
@@ -560,9 +615,12 @@ class SessionManager:
         try:
             with self.tiers.lease(CacheKey(tenant_id, sid)) as lease:
                 transcript = self._transcript(tenant_id, sid, record)
-                outcome = yield from self._run_turn(tenant_id, sid, transcript, message, params, lease)
+                if expected_turns is not None and len(transcript.turns) != expected_turns:
+                    raise SessionBusy(f"session {sid} moved on: it has {len(transcript.turns)} turns")
+                outcome = yield from self._run_turn(tenant_id, sid, transcript, message, params, stop_strings, lease)
                 self._store_turn(tenant_id, sid, transcript, message, outcome)
-                lease.commit(outcome.cache)
+                if self.settings.reuse_kv:
+                    lease.commit(outcome.cache)
         except LeaseHeld:  # only the lease's entry raises it: another turn holds the session
             raise SessionBusy(f"session {sid} has a turn in flight; wait for its reply") from None
         yield outcome.reply
@@ -574,6 +632,7 @@ class SessionManager:
         transcript: Transcript,
         message: str,
         params: SamplingParams,
+        stop: StopStrings,
         lease: Lease,
     ) -> Generator[str, None, TurnOutcome]:
         """Yield the reply's text pieces; return the outcome (nothing stored yet)."""
@@ -585,6 +644,7 @@ class SessionManager:
             user_text=message,
             params=params,
             lease=lease,
+            stop=stop,
         ):
             if isinstance(item, TurnOutcome):
                 outcome = item
@@ -609,15 +669,16 @@ class SessionManager:
                 session_id=session_id,
                 messages=[
                     ("user", message, outcome.user_token_ids),
-                    ("assistant", reply.text, reply.token_ids),
+                    ("assistant", reply.stored_text, reply.token_ids),
                 ],
                 token_count=outcome.token_count,
                 model_fingerprint=self.engine.fingerprint,
                 ttft_s=reply.stats.ttft_s,
+                returned_texts=(message, reply.text),
             )
         except KeyError:
             raise SessionNotFound(session_id) from None
-        transcript.append(PastTurn(message, reply.text, reply.token_ids), outcome.token_count)
+        transcript.append(PastTurn(message, reply.stored_text, reply.token_ids), outcome.token_count)
         if outcome.unpinned_turn is not None:
             transcript.pinned.discard(outcome.unpinned_turn)
             self.metadata.set_pinned_turns(

@@ -78,10 +78,21 @@ class TurnStats:
 @dataclass(frozen=True)
 class Reply:
     text: str
+    """The reply as returned: the text of `token_ids`, cut before the first stop string when one
+    of the turn's `stop` strings ended it (the streamed pieces joined equal it)."""
     token_ids: tuple[int, ...]
     """Generated ids, the stop token included when generation stopped on one."""
     stats: TurnStats
     finish_reason: FinishReason = "stop"
+    """`stop`: a stop token or stop string ended the reply; `length`: `max_new_tokens` did."""
+    generated_text: str | None = None
+    """The whole text of `token_ids` when a stop string cut `text` short, else `None`."""
+
+    @property
+    def stored_text(self) -> str:
+        """The text the transcript stores: the whole text of `token_ids` (the ids the session's
+        cache holds), stop string and anything after it included."""
+        return self.text if self.generated_text is None else self.generated_text
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,13 @@ class Settings:
     max_batch_requests: int = 0
     """Turns per forward pass (0: every running turn). 1 turns batching off (turns take turns)."""
 
+    reuse_kv: bool = True
+    """Continue each session from its cache. Off, every turn re-prefills the whole conversation
+    (the rebuild path, without the prefix pool) and no cache is kept: a baseline for benchmarks
+    (`benchmarks/http_multiturn.py`), not a mode to serve in."""
+    max_concurrent_requests_per_tenant: int = 16
+    """Requests one tenant may have in flight on the `/v1/` API at once; more are answered 429."""
+
     admin_token: str | None = field(default=None, repr=False)
     session_retention_s: float | None = None
     """Sessions idle longer than this are removed by `gc`; `None` keeps them forever."""
@@ -297,6 +304,10 @@ _CHOICES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
     "context_budget_tokens": (lambda v: v >= 16, ">= 16"),
     "threads": (lambda v: v >= 1, ">= 1"),
+    "max_concurrent_requests_per_tenant": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "an integer >= 1",
+    ),
     "session_retention_s": (lambda v: 0 < v <= MAX_DURATION_S, "in (0, 100 years]"),
 }
 """What one field's value must be on its own (combinations are checked in `Settings.__post_init__`)."""
@@ -327,11 +338,12 @@ def _parse_field(name: str, raw: str) -> Any:
         "max_running_requests",
         "max_running_per_tenant",
         "max_batch_requests",
+        "max_concurrent_requests_per_tenant",
     ):
-        if not re.fullmatch(r"\s*-?\d+\s*", raw):
+        if not re.fullmatch(r"\s*-?[0-9]+\s*", raw):
             raise ValueError(f"not an integer: {raw!r}")
         return int(raw)
-    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels"):
+    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv"):
         lowered = raw.strip().lower()
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"not a boolean: {raw!r}")

@@ -14,6 +14,11 @@ Two ways to the first new token:
   copied into the pool, so a first turn costs one pass, like a plain full prefill.
 
 Either way the window policy first demotes the oldest unpinned turns if the turn would not fit.
+With `reuse_kv` off (a benchmark baseline) every turn takes the rebuild path without the pool.
+
+A turn with stop strings ends early once its text contains one (`sessions.stop_strings`): the
+request is finished at the loop's next step, and the stored turn keeps every generated id and
+their whole text, while the reply returned is cut before the stop string.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.lease import Lease
 from cache.prefix_pool import prefix_key
+from cache.restore import Restored
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache, WorkingCache
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey, Tier
@@ -46,6 +52,7 @@ from sessions.engine import Engine, Request, RequestResult
 from sessions.errors import ContextTooLong, SessionNotFound
 from sessions.records import FinishReason, Reply, RestoreSource, TurnStats
 from sessions.sampling import SamplingParams
+from sessions.stop_strings import NO_STOP, StopScanner, StopStrings
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +134,14 @@ class TurnRunner:
         tiers: TierManager,
         window: WindowPolicy,
         share_base: bool,
+        reuse_kv: bool = True,
     ) -> None:
         self.engine = engine
         self.template = template
         self.tiers = tiers
         self.window = window
         self.share_base = share_base
+        self.reuse_kv = reuse_kv
         self._active: dict[CacheKey, Request] = {}
         self._active_lock = threading.Lock()
 
@@ -178,14 +187,16 @@ class TurnRunner:
         user_text: str,
         params: SamplingParams,
         lease: Lease,
+        stop: StopStrings = NO_STOP,
     ) -> Iterator[str | TurnOutcome]:
-        """Yield reply text pieces, then one `TurnOutcome`. Nothing is stored here.
+        """Yield reply text pieces (up to the first stop string), then one `TurnOutcome`. Nothing
+        is stored here.
 
         Raises:
             ContextTooLong: if the turn cannot fit the window; raised before any model work.
         """
         started = time.perf_counter()
-        restored = lease.restore()
+        restored = lease.restore() if self.reuse_kv else Restored(None, None, 0.0)
         cache = restored.cache
         if cache is not None and not self._matches(cache, transcript):
             log.info("session %s: stored cache does not match the transcript; rebuilding", session_id)
@@ -207,7 +218,9 @@ class TurnRunner:
             prepared = replace(prepared, base_computed=restored.base_prefill_tokens)
         else:
             prepared = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
-        yield from self._generate(prepared, transcript, user_text, params, started, source, restored.seconds, lease)
+        yield from self._generate(
+            prepared, transcript, user_text, params, stop, started, source, restored.seconds, lease
+        )
 
     # -- reuse ---------------------------------------------------------------------------------
 
@@ -323,7 +336,7 @@ class TurnRunner:
         prefill: list[int] = []
         if base_tokens:
             key = self.base_key(tenant_id, session_id, base_ids)
-            found = self.tiers.find_base_layer(tenant_id, key, tuple(base_ids))
+            found = self.tiers.find_base_layer(tenant_id, key, tuple(base_ids)) if self.reuse_kv else None
             if found is None:
                 # Computed in this turn's own forward pass and adopted into the pool afterwards.
                 pending_base = _PendingBase(key, tuple(base_ids))
@@ -377,6 +390,7 @@ class TurnRunner:
         transcript: Transcript,
         user_text: str,
         params: SamplingParams,
+        stop: StopStrings,
         started: float,
         source: RestoreSource,
         restore_s: float,
@@ -393,6 +407,7 @@ class TurnRunner:
             bytes_per_token=engine.layout.bytes_per_token,
         )
         detokenizer = IncrementalDetokenizer(engine.tokenizer)
+        scanner = StopScanner(stop)
         generated: list[int] = []
         ttft_s = 0.0
         decode_started = time.perf_counter()
@@ -408,13 +423,19 @@ class TurnRunner:
                     ttft_s = time.perf_counter() - started
                     decode_started = time.perf_counter()
                 generated.append(token)
-                if token in engine.stop_token_ids:
+                # After a stop string the loop may have sampled a few more tokens: they are fed to
+                # the cache, so they are kept (and decoded for the stored text) but not returned.
+                if token in engine.stop_token_ids or not detokenizer.push(token) or scanner.cut is not None:
                     continue
-                piece = detokenizer.push(token)
+                piece = scanner.push(detokenizer.text)
+                if scanner.cut is not None:
+                    request.finish_early()
+                    engine.loop.wake()
                 if piece:
                     yield piece
         working = result.working
-        tail = detokenizer.finish()
+        detokenizer.finish()
+        tail = scanner.finish(detokenizer.text)
         if tail:
             yield tail
         decode_s = time.perf_counter() - decode_started
@@ -434,7 +455,8 @@ class TurnRunner:
         digest = transcript_digest(transcript.digest, turn, None)
         rendered = rendering_digest(prepared.rendering + detokenizer.text)
         cache = start.after_turn(working, appended, spans, transcript_digest=digest, rendering_digest=rendered)
-        finish: FinishReason = "stop" if generated and generated[-1] in engine.stop_token_ids else "length"
+        stopped = scanner.cut is not None or bool(generated and generated[-1] in engine.stop_token_ids)
+        finish: FinishReason = "stop" if stopped else "length"
         stats = TurnStats(
             prefill_tokens=len(prepared.prefill) + prepared.base_computed,
             reused_tokens=prepared.reused_tokens,
@@ -448,17 +470,26 @@ class TurnRunner:
             cache_tokens=cache.total_tokens,
             queue_s=result.queue_s,
         )
-        reply = Reply(text=detokenizer.text, token_ids=tuple(generated), stats=stats, finish_reason=finish)
+        cut = scanner.cut
+        reply = Reply(
+            text=detokenizer.text if cut is None else detokenizer.text[:cut],
+            token_ids=tuple(generated),
+            stats=stats,
+            finish_reason=finish,
+            generated_text=None if cut is None else detokenizer.text,
+        )
         yield TurnOutcome(
             reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1, unpinned
         )
 
     def _adopt_base(self, pending: _PendingBase, working: WorkingCache, lease: Lease) -> BaseLayer:
-        """Copy the base prefix out of the turn's working cache into the tenant's pool."""
+        """Copy the base prefix out of the turn's working cache into the tenant's pool (not
+        pooled with `reuse_kv` off)."""
         n = len(pending.token_ids)
         keys = tuple(layer.filled_keys[:, :, :n].clone() for layer in working.prealloc_layers)
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
-        return lease.adopt_base(BaseLayer(pending.key, pending.token_ids, keys, values))
+        base = BaseLayer(pending.key, pending.token_ids, keys, values)
+        return lease.adopt_base(base) if self.reuse_kv else base
 
     def _pins_leave_room(self, cache: SessionCache, spans: Sequence[LayerSpan]) -> bool:
         first_new = spans[0].original_start

@@ -16,7 +16,12 @@ from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.history_digest import extend_digest, history_digest
 from storage.schema import CacheBlobRow, MessageRow, SessionRow, TenantRow, utcnow
+
+MessageValues = tuple[str, str, Sequence[int]]
+"""A message to store: `(role, text, token_ids)`."""
+MAX_HISTORY_MATCHES = 8
 
 
 class StorageError(Exception):
@@ -51,6 +56,7 @@ class SessionRecord:
     last_ttft_s: float | None
     created_at: datetime
     last_active_at: datetime
+    history_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ def _session(row: SessionRow, message_count: int) -> SessionRecord:
         last_ttft_s=row.last_ttft_s,
         created_at=row.created_at,
         last_active_at=row.last_active_at,
+        history_digest=row.history_digest,
     )
 
 
@@ -217,7 +224,14 @@ class MetadataStore:
         system_prompt: str | None,
         model_fingerprint: str,
         pinned_turns: Sequence[int] = (),
+        messages: Sequence[MessageValues] = (),
+        token_count: int = 0,
     ) -> SessionRecord:
+        """Create a session, with `messages` already in its transcript (a history imported from a
+        client; alternating user and assistant messages). Its history digest covers them."""
+        pairs = _turn_texts(messages)
+        if pairs is None:
+            raise ValueError("a session's initial messages must alternate user and assistant, from a user message")
         with self._unit() as db:
             now = utcnow()
             row = SessionRow(
@@ -226,14 +240,38 @@ class MetadataStore:
                 title=title,
                 system_prompt=system_prompt,
                 model_fingerprint=model_fingerprint,
-                token_count=0,
+                token_count=token_count,
                 pinned_turns=list(pinned_turns),
                 created_at=now,
                 last_active_at=now,
+                history_digest=history_digest(system_prompt, pairs),
             )
             db.add(row)
             db.flush()
-            return _session(row, 0)
+            for index, (role, text, ids) in enumerate(messages):
+                db.add(
+                    MessageRow(
+                        session_id=session_id,
+                        index=index,
+                        role=role,
+                        text=text,
+                        token_ids=[int(i) for i in ids],
+                        created_at=now,
+                    )
+                )
+            return _session(row, len(messages))
+
+    def sessions_by_history(self, *, tenant_id: str, history_digest: str) -> list[str]:
+        """Ids of the tenant's sessions whose history has this digest, most recently active first
+        (at most `MAX_HISTORY_MATCHES`; one index lookup on `(tenant_id, history_digest)`)."""
+        with self._unit() as db:
+            query = (
+                select(SessionRow.id)
+                .where(SessionRow.tenant_id == tenant_id, SessionRow.history_digest == history_digest)
+                .order_by(SessionRow.last_active_at.desc())
+                .limit(MAX_HISTORY_MATCHES)
+            )
+            return list(db.scalars(query))
 
     def get_session(self, *, tenant_id: str, session_id: str) -> SessionRecord | None:
         with self._unit() as db:
@@ -297,12 +335,17 @@ class MetadataStore:
         token_count: int,
         model_fingerprint: str,
         ttft_s: float | None,
+        returned_texts: tuple[str, str] | None = None,
     ) -> int:
-        """Append `(role, text, token_ids)` messages and update the session, in one transaction.
+        """Append `(role, text, token_ids)` messages (one turn: user, assistant) and update the
+        session, in one transaction: its token count, last activity, and its history digest, which
+        is extended by `returned_texts` (the user text and the reply as the client received it;
+        default the stored texts) unless it is NULL.
 
         Returns the index of the first appended message. Raises `KeyError` if the session does not
         exist for this tenant (deleted while the turn ran).
         """
+        turns = [returned_texts] if returned_texts is not None else _turn_texts(messages)
         now = utcnow()
         values: dict[str, object] = {
             "token_count": token_count,
@@ -322,6 +365,17 @@ class MetadataStore:
                 )
                 if not getattr(updated, "rowcount", 0):
                     raise KeyError(session_id)
+                # The row is locked by the update above: the digest read here is the latest one.
+                digest = db.scalar(select(SessionRow.history_digest).where(SessionRow.id == session_id))
+                if digest is not None:
+                    # Messages that are not whole turns leave a history no client could post.
+                    for user_text, reply_text in turns or ():
+                        digest = extend_digest(digest, user_text, reply_text)
+                    db.execute(
+                        update(SessionRow)
+                        .where(SessionRow.id == session_id)
+                        .values(history_digest=digest if turns is not None else None)
+                    )
                 start = int(
                     db.scalar(
                         select(func.coalesce(func.max(MessageRow.index) + 1, 0)).where(
@@ -400,3 +454,12 @@ class MetadataStore:
             if tenant_id is not None:
                 query = query.where(CacheBlobRow.tenant_id == tenant_id)
             return [_blob(row) for row in db.scalars(query)]
+
+
+def _turn_texts(messages: Sequence[MessageValues]) -> list[tuple[str, str]] | None:
+    """`(user text, assistant text)` of each turn, or `None` unless the messages are whole turns
+    (alternating user and assistant messages, starting with a user message)."""
+    roles = [role for role, _, _ in messages]
+    if len(roles) % 2 or roles != ["user", "assistant"] * (len(roles) // 2):
+        return None
+    return [(messages[i][1], messages[i + 1][1]) for i in range(0, len(messages), 2)]

@@ -13,6 +13,7 @@ from sqlalchemy import (
     Dialect,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
@@ -69,6 +70,7 @@ class TenantRow(Base):
 
 class SessionRow(Base):
     __tablename__ = "sessions"
+    __table_args__ = (Index("ix_sessions_tenant_history", "tenant_id", "history_digest"),)
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -81,6 +83,9 @@ class SessionRow(Base):
     last_ttft_s: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_active_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    history_digest: Mapped[str | None] = mapped_column(String(64), default=None)
+    """SHA-256 chain over the history as its client saw it (`storage.history_digest`); NULL for
+    sessions older than migration 0004, which the implicit lookup then never finds."""
 
     tenant: Mapped[TenantRow] = relationship(back_populates="sessions")
     messages: Mapped[list[MessageRow]] = relationship(

@@ -146,7 +146,7 @@ class EngineLoop:
         self._release(plan)
         if plan.chunks:
             self._step(plan)
-        elif not plan.admitted and not plan.dropped:
+        elif not plan.admitted and not plan.dropped and not plan.finished_early:
             with self._wake:  # every runnable request waits for KV room: wait for a change
                 self._wake.wait(timeout=0.05)
 
@@ -154,6 +154,9 @@ class EngineLoop:
         for request in plan.dropped:
             self._free(request)
             request.drop_cancelled()
+        for request in plan.finished_early:
+            self._free(request)
+            request.finish()
         for request in plan.admitted:
             if request.working is None:
                 if request.start is None:

@@ -9,8 +9,10 @@ a chunk of a prefill) and, when the last pending token was fed, samples the next
     Request(...) ; loop.submit(r)  ->   waiting -> admitted (KV reserved, buffer built) -> running
     for t in r.tokens(): ...       <-   channel: token ids ..., then a RequestResult (or an error)
     r.cancel()                     ->   dropped at the next step, KV released
+    r.finish_early()               ->   finished at the next step, as if at its length limit
 
-Lifecycle is `RequestState`; each mutable field has one writer (the loop), except `cancel()`.
+Lifecycle is `RequestState`; each mutable field has one writer (the loop), except the two flags
+that `cancel()` and `finish_early()` set.
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class Request:
         self._channel: queue.SimpleQueue[int | RequestResult | BaseException] = queue.SimpleQueue()
         self._cancel_error: BaseException | None = None
         self._cancelled = threading.Event()
+        self._finish_early = threading.Event()
 
     # -- caller side ---------------------------------------------------------------------------
 
@@ -169,9 +172,22 @@ class Request:
         self._cancel_error = error
         self._cancelled.set()
 
+    def finish_early(self) -> None:
+        """End the reply here (the caller found a stop string in its text): the loop finishes the
+        request at its next step, normally, as if it had reached its length limit. Tokens sampled
+        before that step still reach the channel; the result's working cache holds every generated
+        token but the last, as always. Honoured once the request has sampled a token; a no-op
+        after it finished or was cancelled (a cancel wins)."""
+        self._finish_early.set()
+
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def finishing_early(self) -> bool:
+        """`finish_early` was asked and there is a reply to end (loop side)."""
+        return self._finish_early.is_set() and bool(self.generated)
 
     @property
     def queue_s(self) -> float:

@@ -41,6 +41,8 @@ class StepPlan:
     admitted: tuple[Request, ...]
     dropped: tuple[Request, ...]
     """Cancelled requests removed from the queues (the loop releases their KV)."""
+    finished_early: tuple[Request, ...] = ()
+    """Running requests asked to `finish_early`, removed from the queue (the loop finishes them)."""
 
     @property
     def num_tokens(self) -> int:
@@ -110,8 +112,9 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         dropped = self._drop_cancelled()
+        finished = self._take_finished_early()
         admitted = self._admit()
-        return StepPlan(self._pack(), tuple(admitted), tuple(dropped))
+        return StepPlan(self._pack(), tuple(admitted), tuple(dropped), tuple(finished))
 
     def counts_by_tenant(self) -> tuple[dict[TenantId, int], dict[TenantId, int]]:
         """(running, waiting) request counts per tenant."""
@@ -123,6 +126,12 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if not r.cancelled]
             self.running = [r for r in self.running if not r.cancelled]
         return dropped
+
+    def _take_finished_early(self) -> list[Request]:
+        finished = [r for r in self.running if r.finishing_early]
+        if finished:
+            self.running = [r for r in self.running if not r.finishing_early]
+        return finished
 
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []

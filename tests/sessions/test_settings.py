@@ -36,6 +36,8 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "max_running_requests": ("8", 8),
     "max_running_per_tenant": ("2", 2),
     "max_batch_requests": ("4", 4),
+    "reuse_kv": ("off", False),
+    "max_concurrent_requests_per_tenant": ("5", 5),
     "admin_token": ("s3cret", "s3cret"),
     "session_retention_s": ("30d", 30 * 86400.0),
     "metrics_tenant_labels": ("on", True),
@@ -123,3 +125,10 @@ def test_keyword_values_are_checked_as_before() -> None:
         Settings(threads=0)
     with pytest.raises(ValueError, match=r"^device_budget_bytes must be > 0 bytes, got -1$"):
         Settings(device_budget_bytes=-1)
+
+
+@pytest.mark.parametrize("text", ["٣", "1_000", "3.0", ""])
+def test_an_integer_setting_takes_ascii_digits_only(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHATKV_MAX_STEP_TOKENS", text or " ")
+    with pytest.raises(ValueError, match="CHATKV_MAX_STEP_TOKENS"):
+        Settings()

@@ -1,0 +1,117 @@
+"""Errors of the `/v1/` API in OpenAI's shape: `{"error": {"message", "type", "code"}}` with a 4xx.
+
+Stock OpenAI clients read `error.message`, raise by status (400 `BadRequestError`, 401
+`AuthenticationError`, 404 `NotFoundError`, 409 `ConflictError`, 413, 429 `RateLimitError`) and
+retry 409, 429 and 5xx on their own, honouring `Retry-After`.
+
+    status  type                    code                                   raised by
+    400     invalid_request_error   invalid_request                        bad JSON, wrong types, `InvalidInput`
+    400     invalid_request_error   unsupported_parameter                  n != 1, tools, images, ...
+    401     invalid_request_error   invalid_api_key                        missing or wrong bearer key
+    404     invalid_request_error   model_not_found / session_not_found    `model`, `SessionNotFound`
+    409     invalid_request_error   session_busy                           `SessionBusy`
+    413     invalid_request_error   request_too_large                      body over the `/v1/` limit
+    413     invalid_request_error   context_length_exceeded                `ContextTooLong`
+    429     rate_limit_error        rate_limit_exceeded                    the tenant's concurrent requests
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from sessions.errors import ChatKVError, ContextTooLong, SessionBusy, SessionNotFound
+
+UNAUTHORIZED_MESSAGE = "missing or wrong API key: send Authorization: Bearer <your tenant's API key>"
+
+_CODES: dict[type[ChatKVError], str] = {
+    SessionNotFound: "session_not_found",
+    SessionBusy: "session_busy",
+    ContextTooLong: "context_length_exceeded",
+}
+
+
+class ApiError(Exception):
+    """An error the `/v1/` routes answer as it is (an OpenAI-specific refusal, say)."""
+
+    def __init__(self, status: int, message: str, code: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+
+
+def unsupported(what: str, param: str) -> ApiError:
+    return ApiError(400, f"{what} not supported by chatkv", "unsupported_parameter", param=param)
+
+
+def error_response(
+    status: int, message: str, code: str, *, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param=param), status_code=status, headers=headers)
+
+
+def error_body(status: int, message: str, code: str, *, param: str | None = None) -> dict[str, Any]:
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+    error: dict[str, Any] = {"message": message, "type": kind, "code": code}
+    if param is not None:
+        error["param"] = param
+    return {"error": error}
+
+
+def unauthorized() -> JSONResponse:
+    return error_response(401, UNAUTHORIZED_MESSAGE, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def response_for(exc: Exception) -> JSONResponse:
+    """The answer to an error a route raised: ours, a domain error, or FastAPI's parsing errors.
+
+    Raises:
+        TypeError: for any other exception (a bug: the caller lets it through).
+    """
+    if isinstance(exc, ApiError):
+        return error_response(exc.status, str(exc), exc.code, param=exc.param)
+    if isinstance(exc, ChatKVError):
+        return error_response(exc.http_status, str(exc), _code(exc))
+    if isinstance(exc, RequestValidationError):
+        message, param = validation_message(exc)
+        return error_response(400, message, "invalid_request", param=param)
+    if isinstance(exc, HTTPException):  # a body that is not UTF-8 JSON, or over the size limit
+        code = "request_too_large" if exc.status_code == 413 else "invalid_request"
+        return error_response(exc.status_code, str(exc.detail), code, headers=exc.headers)
+    raise TypeError(f"not an API error: {type(exc).__name__}")
+
+
+def _code(exc: ChatKVError) -> str:
+    for kind, code in _CODES.items():
+        if isinstance(exc, kind):
+            return code
+    return "invalid_request" if exc.http_status < 500 else "server_error"
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line for pydantic's errors (`messages.0.content: Input should be a valid string`), and
+    the first offending parameter. The errors of a union's alternatives share one line."""
+    problems: dict[str, list[str]] = {}
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if not _is_location_noise(p))
+        message = str(error.get("msg", "invalid"))
+        if error.get("type") == "json_invalid":
+            where, message = "", f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})"
+        problems.setdefault(where, [])
+        if message not in problems[where]:
+            problems[where].append(message)
+    parts = [
+        f"{where}: {' or '.join(messages)}" if where else " or ".join(messages) for where, messages in problems.items()
+    ]
+    return "; ".join(parts) or "invalid request", next((where for where in problems if where), None)
+
+
+def _is_location_noise(part: object) -> bool:
+    """Where FastAPI found a value (`body`), and the alternative of a union pydantic tried (`str`)."""
+    text = str(part)
+    return text in ("query", "body", "path", "header", "str", "int", "float", "bool", "none") or "[" in text

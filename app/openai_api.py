@@ -1,0 +1,366 @@
+"""The OpenAI-compatible face: `POST /v1/chat/completions` and `GET /v1/models`.
+
+Stock OpenAI clients work unchanged (`base_url=<server>/v1`, `api_key=<tenant API key>`). A
+request continues a server-side session, found one of two ways (`app.api_turns`):
+
+- **explicit**: `X-Session-ID: <id>` (or a `session_id` field): `messages` holds only the new user
+  message, after an optional system message that must be the session's;
+- **implicit**: the stateless pattern, the whole conversation each time: the tenant's session whose
+  history is the posted one minus its last user message is continued from its cache; none (or an
+  edited history) starts a new session that holds the posted history.
+
+Either way the answer carries the session's id in an `X-Session-ID` header. Replies are
+`chat.completion` objects, or with `stream: true` server-sent `chat.completion.chunk` events: the
+role first, then content deltas, then the finish reason, then (with `stream_options.include_usage`)
+the usage, then `data: [DONE]`. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens
+chatkv served from its cache instead of prefilling them.
+
+Not supported, refused with 400 (`unsupported_parameter`): `n` other than 1, tools and functions
+(and tool messages), content parts other than text (images, audio, files), logprobs, a
+`response_format` other than text, penalties and `logit_bias`. Other unknown fields are ignored.
+Defaults follow OpenAI: `temperature` 1, `top_p` 1; `max_tokens` defaults to 256.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api_auth import bearer_scheme, tenant_of
+from app.api_errors import ApiError, response_for, unsupported
+from app.api_turns import StartedTurn, TurnParams, Usage, check_message, continue_history, start_turn, usage
+from app.sse import DONE, EventStream, event
+from sessions.errors import ChatKVError, InvalidInput
+from sessions.manager import MAX_MESSAGE_CHARS, SessionManager
+from sessions.records import Tenant
+from sessions.validation import check_text
+
+DEFAULT_MAX_TOKENS = 256
+SESSION_HEADER = "X-Session-ID"
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str = Field(description="`text`; other kinds (images, audio, files) are refused.")
+    text: str | None = Field(default=None, description="The text of a `text` part.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str = Field(description="`system` (or `developer`), `user` or `assistant`.")
+    content: str | list[ContentPart] | None = Field(
+        default=None, description="The text, or a list of `text` parts (joined)."
+    )
+    name: str | None = Field(default=None, description="Accepted and ignored.")
+    tool_calls: list[Any] | None = Field(default=None, description="Refused: tools are not supported.")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool = Field(default=False, description="Send a last chunk with `usage` before `[DONE]`.")
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request (the subset chatkv serves)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(description="The served model's id (`GET /v1/models`).")
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        description="An optional system message, then alternating user and assistant messages ending with a "
+        "user message. With a session id: only the new user message (and optionally the session's system "
+        "message).",
+    )
+    max_tokens: int | None = Field(default=None, description=f"Most tokens to generate (default {DEFAULT_MAX_TOKENS}).")
+    max_completion_tokens: int | None = Field(default=None, description="Same as `max_tokens`; takes precedence.")
+    temperature: float | None = Field(default=None, description="Sampling temperature, >= 0 (default 1; 0 is greedy).")
+    top_p: float | None = Field(default=None, description="Nucleus sampling mass in (0, 1] (default 1).")
+    seed: int | None = Field(default=None, description="Makes sampling at temperature > 0 reproducible.")
+    stop: str | list[str] | None = Field(
+        default=None, description="Up to 4 strings; the reply ends before the first one it produces."
+    )
+    stream: bool = Field(default=False, description="Answer with server-sent `chat.completion.chunk` events.")
+    stream_options: StreamOptions | None = None
+    session_id: str | None = Field(
+        default=None, description=f"Continue this session (same as the `{SESSION_HEADER}` header)."
+    )
+    n: int | None = Field(default=None, description="Must be 1 when given.")
+    tools: list[Any] | None = Field(default=None, description="Refused: tools are not supported.")
+    tool_choice: Any = Field(default=None, description="Refused unless `none`.")
+    functions: list[Any] | None = Field(default=None, description="Refused: functions are not supported.")
+    function_call: Any = Field(default=None, description="Refused unless `none`.")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] = Field(
+        description="`length` when the reply reached `max_tokens`, else `stop` (end of turn or a stop string)."
+    )
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """A reply; the session it belongs to is in the `X-Session-ID` header."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str = Field(description="The model's name; use it as `model`.")
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "chatkv"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Posted messages as chatkv takes them: a system prompt, earlier turns (user text, reply text
+    as it was returned) and the new user message."""
+
+    system_prompt: str | None
+    history: list[tuple[str, str]]
+    message: str
+
+
+def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRouter:
+    """`/models` and `/chat/completions`, to be mounted under `/v1`."""
+    router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["OpenAI-compatible"])
+    started = int(time.time())
+
+    def card() -> ModelCard:
+        return ModelCard(id=manager.model_name, created=started)
+
+    @router.get("/models", response_model=ModelList)
+    def list_models() -> ModelList:
+        """The served model (one)."""
+        return ModelList(data=[card()])
+
+    @router.get(
+        "/models/{model}", response_model=ModelCard, responses={404: {"description": "Not this server's model."}}
+    )
+    def get_model(model: str) -> ModelCard:
+        """The served model, if `model` is its id."""
+        _check_model(manager, model)
+        return card()
+
+    @router.post(
+        "/chat/completions",
+        response_model=ChatCompletion,
+        responses={
+            200: {
+                "description": "A `chat.completion`, or with `stream: true` server-sent `chat.completion.chunk` "
+                "events ending with `data: [DONE]`. The `X-Session-ID` header names the session.",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            400: {"description": "Invalid or unsupported request (`invalid_request_error`)."},
+            401: {"description": "Missing or wrong API key."},
+            404: {"description": "Unknown model or session."},
+            409: {"description": "The session has a turn in flight."},
+            413: {"description": "Body over the limit, or the conversation does not fit the context."},
+            429: {"description": "Too many requests in flight for this tenant; see `Retry-After`."},
+        },
+    )
+    def chat_completions(
+        body: ChatCompletionRequest,
+        response: Response,
+        tenant: Annotated[Tenant, Depends(tenant_of)],
+        x_session_id: Annotated[
+            str | None, Header(alias=SESSION_HEADER, description="Continue this session (explicit mode).")
+        ] = None,
+    ) -> ChatCompletion | EventStream:
+        """Create a chat completion, continuing a server-side session (explicit or found by history)."""
+        _check_model(manager, body.model)
+        _refuse_unsupported(body)
+        params = _turn_params(body)
+        conversation = parse_messages(body.messages)
+        session_id = _session_id(x_session_id, body.session_id)
+        if session_id is None:
+            turn = continue_history(
+                manager, tenant, conversation.system_prompt, conversation.history, conversation.message, params
+            )
+        else:
+            _check_explicit(manager, tenant, session_id, conversation)
+            turn = start_turn(manager, tenant, session_id, conversation.message, params)
+        reply_id = f"chatcmpl-{secrets.token_hex(12)}"
+        headers = {SESSION_HEADER: turn.session_id}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            frames = _chunks(
+                turn, {"id": reply_id, "created": int(time.time()), "model": manager.model_name}, include_usage
+            )
+            return EventStream(frames, headers=headers)
+        try:
+            reply = turn.run()
+        finally:
+            turn.close()
+        response.headers.update(headers)
+        return ChatCompletion(
+            id=reply_id,
+            created=int(time.time()),
+            model=manager.model_name,
+            choices=[Choice(message=AssistantMessage(content=reply.text), finish_reason=reply.finish_reason)],
+            usage=usage(reply),
+        )
+
+    return router
+
+
+def _check_model(manager: SessionManager, model: str) -> None:
+    if model != manager.model_name:
+        raise ApiError(
+            404,
+            f"the model `{model}` does not exist; this server serves `{manager.model_name}`",
+            "model_not_found",
+            param="model",
+        )
+
+
+def _refuse_unsupported(body: ChatCompletionRequest) -> None:
+    extra = body.model_extra or {}
+    if body.n not in (None, 1):
+        raise unsupported("`n` other than 1 is", "n")
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise unsupported("tools and functions are", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise unsupported("tools and functions are", name)
+    if extra.get("logprobs") or extra.get("top_logprobs"):
+        raise unsupported("logprobs are", "logprobs")
+    response_format = extra.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise unsupported("a `response_format` other than text is", "response_format")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if extra.get(name) not in (None, 0, 0.0):
+            raise unsupported(f"`{name}` is", name)
+    if extra.get("logit_bias"):
+        raise unsupported("`logit_bias` is", "logit_bias")
+
+
+def _turn_params(body: ChatCompletionRequest) -> TurnParams:
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return TurnParams(
+        max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        stop=stop,
+    )
+
+
+def parse_messages(messages: list[ChatMessage]) -> Conversation:
+    """Split posted messages into system prompt, earlier turns and the new message.
+
+    Raises:
+        ApiError: for tool messages or non-text content (unsupported).
+        InvalidInput: for any other shape or text chatkv cannot take.
+    """
+    texts: list[tuple[str, str]] = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        role = "system" if message.role == "developer" else message.role
+        if role in ("tool", "function") or message.tool_calls:
+            raise unsupported("tool messages are", f"{where}.role")
+        if role not in ("system", "user", "assistant"):
+            raise InvalidInput(f"{where}.role must be system, developer, user or assistant, got {message.role!r}")
+        text = _text(message, where)
+        check_text(text, f"{where}.content", MAX_MESSAGE_CHARS)
+        texts.append((role, text))
+    system_prompt = texts[0][1] if texts[0][0] == "system" else None
+    rest = texts[1:] if system_prompt is not None else texts
+    roles = [role for role, _ in rest]
+    if len(roles) % 2 == 0 or roles != ["user", "assistant"] * (len(roles) // 2) + ["user"]:
+        raise InvalidInput(
+            "messages must be an optional system message, then alternating user and assistant messages, "
+            f"ending with a user message; got roles {[role for role, _ in texts]}"
+        )
+    history = [(rest[i][1], rest[i + 1][1]) for i in range(0, len(rest) - 1, 2)]
+    new_message = check_message(rest[-1][1], f"messages[{len(texts) - 1}].content")
+    return Conversation(system_prompt, history, new_message)
+
+
+def _text(message: ChatMessage, where: str) -> str:
+    content = message.content
+    if content is None:
+        raise InvalidInput(f"{where}.content is required")
+    if isinstance(content, str):
+        return content
+    parts = []
+    for number, part in enumerate(content):
+        if part.type != "text":
+            raise unsupported(f"content parts of type {part.type!r} are (text only)", f"{where}.content[{number}]")
+        if part.text is None:
+            raise InvalidInput(f"{where}.content[{number}].text is required")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _session_id(header: str | None, field: str | None) -> str | None:
+    if header is not None and field is not None and header != field:
+        raise InvalidInput(f"the {SESSION_HEADER} header and the session_id field name different sessions")
+    return header if header is not None else field
+
+
+def _check_explicit(manager: SessionManager, tenant: Tenant, session_id: str, conversation: Conversation) -> None:
+    """With a session id, only the new message is sent (and the session's own system message)."""
+    info = manager.session_info(tenant, session_id)
+    if conversation.history:
+        raise InvalidInput(
+            f"with a session id ({SESSION_HEADER}), send only the new user message: the session holds the history"
+        )
+    if conversation.system_prompt is not None and conversation.system_prompt != info.system_prompt:
+        raise InvalidInput("the system message differs from the session's system prompt")
+
+
+def _chunks(turn: StartedTurn, head: dict[str, Any], include_usage: bool) -> Generator[str, None, None]:
+    """The SSE frames of a streamed completion. Closing the generator (the client went away) closes
+    the turn: it is cancelled and nothing is stored."""
+    head = {**head, "object": "chat.completion.chunk"}
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict[str, str], finish_reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return event({**head, "choices": [choice], **extra})
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        for piece in turn.pieces():
+            yield chunk({"content": piece})
+        if turn.reply is None:
+            raise RuntimeError("bug: a streamed turn ended without a reply")
+        yield chunk({}, turn.reply.finish_reason)
+        if include_usage:
+            yield event({**head, "choices": [], "usage": usage(turn.reply).model_dump()})
+        yield DONE
+    except ChatKVError as exc:  # after the answer started (the session deleted meanwhile, say)
+        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
+    finally:
+        turn.close()

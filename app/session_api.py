@@ -1,0 +1,284 @@
+"""chatkv's own session routes under `/v1/sessions`, for clients that keep a session id:
+
+    POST   /v1/sessions                      create (system prompt, title)                  201
+    GET    /v1/sessions                      the tenant's sessions, most recently active first
+    GET    /v1/sessions/{id}                 one session with its messages
+    DELETE /v1/sessions/{id}
+    POST   /v1/sessions/{id}/messages        a turn: the reply with usage and stats, or SSE events
+    POST   /v1/sessions/{id}/prefetch        start restoring the cache to the device now    202
+
+Same key, limits and error shape as the OpenAI routes (`app.api_auth`, `app.api_errors`); another
+tenant's session id is a 404 exactly like a missing one. Sampling defaults to greedy here
+(`temperature` 0), chatkv's default, where the OpenAI route follows OpenAI's (1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Response, status
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api_auth import bearer_scheme, tenant_of
+from app.api_errors import response_for
+from app.api_turns import StartedTurn, TurnParams, Usage, check_message, start_turn, usage
+from app.openai_api import SESSION_HEADER, AssistantMessage
+from app.sse import DONE, EventStream, event
+from cache.ids import SessionId, TenantId
+from sessions.errors import ChatKVError
+from sessions.manager import SessionManager
+from sessions.records import Message, Reply, RestoreSource, SessionInfo, Tenant
+
+log = logging.getLogger(__name__)
+
+PREFETCH_WORKERS = 2
+TenantDep = Annotated[Tenant, Depends(tenant_of)]
+
+
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    system_prompt: str | None = Field(default=None, description="The session's system prompt (fixed for its life).")
+    title: str | None = Field(default=None, description="A label, up to 200 characters.")
+
+
+class SessionOut(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    title: str | None
+    system_prompt: str | None
+    created_at: int = Field(description="Unix seconds.")
+    last_active_at: int = Field(description="Unix seconds.")
+    message_count: int
+    token_count: int = Field(description="Tokens of the conversation so far (demoted turns included).")
+    tier: str | None = Field(description="Where the cache is: `device`, `host`, `disk`, or null (rebuilt).")
+
+
+class SessionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[SessionOut]
+
+
+class MessageOut(BaseModel):
+    index: int
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(
+        description="The stored text: a reply cut by a stop string keeps its whole generated text here."
+    )
+    tokens: int = Field(
+        description="Token ids stored with it (a user message's include the template's framing; a reply's "
+        "are the generated ids)."
+    )
+    created_at: int = Field(description="Unix seconds.")
+
+
+class SessionDetail(SessionOut):
+    messages: list[MessageOut]
+
+
+class SessionDeleted(BaseModel):
+    id: str
+    object: Literal["session.deleted"] = "session.deleted"
+    deleted: bool = True
+
+
+class MessageCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    content: str = Field(description="The user message.")
+    max_tokens: int = Field(default=256, description="Most tokens to generate.")
+    temperature: float = Field(default=0.0, description="0 is greedy (the default).")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass in (0, 1].")
+    seed: int | None = Field(default=None, description="Makes sampling at temperature > 0 reproducible.")
+    stop: str | list[str] | None = Field(
+        default=None, description="Up to 4 strings; the reply ends before the first one it produces."
+    )
+    stream: bool = Field(
+        default=False,
+        description="Answer with server-sent events: `session.message.delta` events, then the "
+        "`session.message`, then `data: [DONE]`.",
+    )
+
+
+class TurnStatsOut(BaseModel):
+    """What the turn cost (`sessions.records.TurnStats`)."""
+
+    prefill_tokens: int = Field(description="Tokens run through the model before the first new token.")
+    reused_tokens: int = Field(description="Tokens served from the session's cache and the shared base.")
+    ttft_s: float
+    decode_tokens: int
+    decode_s: float
+    restored_from: RestoreSource
+    restore_s: float
+    base_reused_tokens: int
+    demoted_tokens: int
+    cache_tokens: int
+    queue_s: float
+
+
+class MessageReply(BaseModel):
+    session_id: str
+    object: Literal["session.message"] = "session.message"
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    stats: TurnStatsOut
+
+
+class PrefetchStarted(BaseModel):
+    id: str
+    object: Literal["session.prefetch"] = "session.prefetch"
+    status: Literal["started"] = "started"
+
+
+class Prefetcher:
+    """Restores sessions' caches to the device in the background (`SessionManager.restore_session`),
+    a few at a time, each session at most once at a time."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self._manager = manager
+        self._pool = ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, thread_name_prefix="chatkv-prefetch")
+        self._pending: set[tuple[TenantId, SessionId]] = set()
+        self._lock = threading.Lock()
+
+    def start(self, tenant: Tenant, session_id: SessionId) -> None:
+        key = (tenant.id, session_id)
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending.add(key)
+        self._pool.submit(self._restore, tenant, session_id)
+
+    def _restore(self, tenant: Tenant, session_id: SessionId) -> None:
+        try:
+            self._manager.restore_session(tenant, session_id)
+        # A turn arrived first (busy: its cache is on the device), or the session went: nothing to do.
+        except ChatKVError as exc:
+            log.debug("prefetch of session %s skipped: %s", session_id, exc)
+        finally:
+            with self._lock:
+                self._pending.discard((tenant.id, session_id))
+
+    def close(self) -> None:
+        """Wait for the restores under way (before the manager closes)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def session_router(manager: SessionManager, route_class: type[APIRoute], prefetcher: Prefetcher) -> APIRouter:
+    """The `/sessions` routes, to be mounted under `/v1`."""
+    router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Sessions"])
+
+    @router.post("/sessions", status_code=status.HTTP_201_CREATED, response_model=SessionOut)
+    def create_session(body: SessionCreate, tenant: TenantDep) -> SessionOut:
+        """Create a session."""
+        session_id = manager.open_session(tenant, system_prompt=body.system_prompt, title=body.title)
+        return _session(manager.session_info(tenant, session_id))
+
+    @router.get("/sessions", response_model=SessionList)
+    def list_sessions(tenant: TenantDep) -> SessionList:
+        """The tenant's sessions, most recently active first."""
+        return SessionList(data=[_session(info) for info in manager.list_sessions(tenant)])
+
+    @router.get("/sessions/{session_id}", response_model=SessionDetail)
+    def get_session(session_id: str, tenant: TenantDep) -> SessionDetail:
+        """A session and its messages."""
+        info = manager.session_info(tenant, session_id)
+        messages = [_message(m) for m in manager.history(tenant, session_id)]
+        return SessionDetail(**_session(info).model_dump(), messages=messages)
+
+    @router.delete("/sessions/{session_id}", response_model=SessionDeleted)
+    def delete_session(session_id: str, tenant: TenantDep) -> SessionDeleted:
+        """Delete a session: its cache in every tier, then its transcript. A turn in flight on it fails."""
+        manager.delete_session(tenant, session_id)
+        return SessionDeleted(id=session_id)
+
+    @router.post(
+        "/sessions/{session_id}/messages",
+        response_model=MessageReply,
+        responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+    )
+    def send_message(
+        session_id: str, body: MessageCreate, response: Response, tenant: TenantDep
+    ) -> MessageReply | EventStream:
+        """Send a user message; the reply with its usage and stats (or SSE events with `stream`)."""
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        params = TurnParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop)
+        turn = start_turn(manager, tenant, session_id, check_message(body.content, "content"), params)
+        headers = {SESSION_HEADER: turn.session_id}
+        if body.stream:
+            return EventStream(_events(turn), headers=headers)
+        try:
+            reply = turn.run()
+        finally:
+            turn.close()
+        response.headers.update(headers)
+        return _reply(turn.session_id, reply)
+
+    @router.post(
+        "/sessions/{session_id}/prefetch", status_code=status.HTTP_202_ACCEPTED, response_model=PrefetchStarted
+    )
+    def prefetch(session_id: str, tenant: TenantDep) -> PrefetchStarted:
+        """Start restoring the session's cache to the device, ahead of its next message."""
+        info = manager.session_info(tenant, session_id)
+        prefetcher.start(tenant, info.id)
+        return PrefetchStarted(id=info.id)
+
+    return router
+
+
+def _events(turn: StartedTurn) -> Generator[str, None, None]:
+    try:
+        for piece in turn.pieces():
+            yield event({"object": "session.message.delta", "session_id": turn.session_id, "content": piece})
+        if turn.reply is None:
+            raise RuntimeError("bug: a streamed turn ended without a reply")
+        yield event(_reply(turn.session_id, turn.reply).model_dump())
+        yield DONE
+    except ChatKVError as exc:
+        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
+    finally:
+        turn.close()
+
+
+def _reply(session_id: str, reply: Reply) -> MessageReply:
+    return MessageReply(
+        session_id=session_id,
+        message=AssistantMessage(content=reply.text),
+        finish_reason=reply.finish_reason,
+        usage=usage(reply),
+        stats=TurnStatsOut(**dataclasses.asdict(reply.stats)),
+    )
+
+
+def _unix(when: datetime) -> int:
+    return int(when.timestamp())
+
+
+def _session(info: SessionInfo) -> SessionOut:
+    return SessionOut(
+        id=info.id,
+        title=info.title,
+        system_prompt=info.system_prompt,
+        created_at=_unix(info.created_at),
+        last_active_at=_unix(info.last_active_at),
+        message_count=info.message_count,
+        token_count=info.token_count,
+        tier=info.tier,
+    )
+
+
+def _message(message: Message) -> MessageOut:
+    return MessageOut(
+        index=message.index,
+        role=message.role,
+        content=message.text,
+        tokens=len(message.token_ids),
+        created_at=_unix(message.created_at),
+    )

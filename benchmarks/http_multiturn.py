@@ -1,0 +1,316 @@
+"""Multi-turn chat over the OpenAI-compatible HTTP API: session reuse against re-prefilling every turn.
+
+`--users` (8) simulated users (threads, each with its own official `openai` client) hold
+`--turns` (5) turn conversations at the same time with one `chatkv serve` process, the stateless
+way stock clients do: every request posts the whole conversation so far, streamed (SSE), greedy.
+Two servers, one after the other, on the same real default model:
+
+- **chatkv**: the server finds each posted history's session and continues it from its cache
+  (`usage.prompt_tokens_details.cached_tokens` says how much was served from it);
+- **re-prefill**: the same server with `CHATKV_REUSE_KV=0`, the benchmark baseline: every turn
+  takes the rebuild path (the whole conversation prefilled, no prefix pool, no cache kept), what a
+  server without KV reuse does.
+
+Per turn: TTFT as the client sees it (request sent to the first SSE chunk with content), median and
+p95 over users; then aggregate throughput (completion tokens of every turn of every user over the
+wall time of the whole run). Replies are compared across the two servers (greedy: they should be
+identical; batching can flip a near-tie, which is reported, not hidden).
+
+    .venv/bin/python benchmarks/http_multiturn.py [--quick] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    BENCH_MASTER_KEY,
+    REPO,
+    SYSTEM_PROMPT,
+    base_parser,
+    fmt_ratio,
+    fmt_s,
+    median,
+    open_manager,
+    print_header,
+    print_table,
+    setup,
+    temp_dir,
+    user_message,
+    write_json,
+)
+from openai import OpenAI
+
+from sessions.engine import Engine
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class UserRun:
+    """One simulated user's conversation and what each of its turns measured."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    sessions: set[str] = field(default_factory=set)
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+@contextlib.contextmanager
+def chatkv_server(home: Path, args: argparse.Namespace, reuse: bool) -> Iterator[str]:
+    """`chatkv serve` on `home` (this checkout's code) until the block ends; yields its `/v1` URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_")}
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "GRADIO_ANALYTICS_ENABLED": "False",
+            "CHATKV_HOME": str(home),
+            "CHATKV_MODEL_CACHE_DIR": str(args.model_cache_dir),
+            "CHATKV_MASTER_KEY": BENCH_MASTER_KEY,
+            "CHATKV_DEVICE": args.device,
+            "CHATKV_DTYPE": args.dtype,
+            "CHATKV_REUSE_KV": "1" if reuse else "0",
+            "CHATKV_DEVICE_BUDGET_BYTES": "8GiB",
+            "CHATKV_HOST_BUDGET_BYTES": "4GiB",
+            "CHATKV_DISK_BUDGET_BYTES": "16GiB",
+            **({"CHATKV_THREADS": str(args.threads)} if args.threads else {}),
+        }
+    )
+    log = home.parent / f"server-{'reuse' if reuse else 'prefill'}.log"
+    command = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url, process, log)
+        yield f"{url}/v1"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_until_up(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"chatkv serve exited with {process.returncode}:\n{log.read_text()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"chatkv serve did not answer within {START_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def stream_turn(client: OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed turn; TTFT is from sending the request to the first chunk with content."""
+    started = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    usage = None
+    with client.chat.completions.with_streaming_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as response:
+        session_id = response.headers["x-session-id"]
+        for chunk in response.parse():
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    pieces.append(choice.delta.content)
+    if usage is None or usage.prompt_tokens_details is None:
+        raise SystemExit("the server sent no usage chunk")
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+        "text": "".join(pieces),
+        "session_id": session_id,
+        "cached_tokens": usage.prompt_tokens_details.cached_tokens or 0,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+    }
+
+
+def run_users(url: str, key: str, model: str, messages: list[list[str]], args: argparse.Namespace) -> dict[str, Any]:
+    """Every user holds its conversation at once (a barrier starts them together)."""
+    runs = [UserRun() for _ in messages]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(messages) + 1)
+
+    def user(index: int) -> None:
+        client = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
+        run = runs[index]
+        conversation = [{"role": "system", "content": SYSTEM_PROMPT}]
+        start.wait()
+        try:
+            for text in messages[index]:
+                conversation.append({"role": "user", "content": text})
+                turn = stream_turn(client, model, conversation, args.max_tokens)
+                conversation.append({"role": "assistant", "content": turn["text"]})
+                run.ttft_s.append(turn["ttft_s"])
+                run.cached_tokens.append(turn["cached_tokens"])
+                run.prompt_tokens.append(turn["prompt_tokens"])
+                run.completion_tokens.append(turn["completion_tokens"])
+                run.replies.append(turn["text"])
+                run.sessions.add(turn["session_id"])
+        except Exception as exc:  # noqa: BLE001 - a thread boundary: reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(messages))]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    if errors:
+        raise SystemExit(f"{len(errors)} users failed; first: {errors[0]!r}")
+    tokens = sum(sum(r.completion_tokens) for r in runs)
+    return {"runs": runs, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
+
+
+def measure(
+    engine: Engine, root: Path, args: argparse.Namespace, messages: list[list[str]], reuse: bool
+) -> dict[str, Any]:
+    home = root / ("reuse" if reuse else "prefill") / "home"
+    with open_manager(home, engine, args.model_cache_dir) as manager:
+        key = manager.issue_api_key(manager.create_tenant("bot"))
+        model = manager.model_name
+    with chatkv_server(home, args, reuse) as url:
+        warm = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
+        stream_turn(warm, model, [{"role": "user", "content": "Warm up."}], 4)  # kernels, allocator
+        return run_users(url, key, model, messages, args)
+
+
+def main() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--user-tokens", type=int, default=80, help="tokens per user message")
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per reply")
+    args = parser.parse_args()
+    if args.quick:
+        args.turns, args.user_tokens, args.max_tokens = 3, 40, 16
+    engine = setup(args)
+    print_header(
+        "chatkv: multi-turn chat over the OpenAI HTTP API, session reuse vs re-prefill",
+        engine,
+        [
+            f"{args.users} users x {args.turns} turns, stateless streaming clients (official openai package), "
+            f"~{args.user_tokens}-token messages, replies <= {args.max_tokens} tokens, greedy; one chatkv serve each "
+            f"(server torch threads: {args.threads or 'default'})",
+        ],
+    )
+    # The fixed texts repeat after 12 paragraphs: each user signs its messages, so no two users
+    # hold the same conversation (identical histories may share a session, as they should).
+    messages = [
+        [f"User {u}: {user_message(engine, u * args.turns + t, args.user_tokens)}" for t in range(args.turns)]
+        for u in range(args.users)
+    ]
+    with temp_dir("http-multiturn") as root:
+        results = {
+            "chatkv": measure(engine, root, args, messages, reuse=True),
+            "re-prefill": measure(engine, root, args, messages, reuse=False),
+        }
+    ours, base = results["chatkv"]["runs"], results["re-prefill"]["runs"]
+    rows = []
+    for t in range(args.turns):
+        on = [r.ttft_s[t] for r in ours]
+        off = [r.ttft_s[t] for r in base]
+        rows.append(
+            [
+                t,
+                round(median([r.prompt_tokens[t] for r in ours])),
+                round(median([r.cached_tokens[t] for r in ours])),
+                fmt_s(median(on)),
+                fmt_s(p95(on)),
+                fmt_s(median(off)),
+                fmt_s(p95(off)),
+                fmt_ratio(median(off) / median(on)),
+            ]
+        )
+    print_table(
+        "per-turn TTFT as the client sees it (request to first content chunk), over users",
+        [
+            "turn",
+            "prompt tokens p50",
+            "cached p50",
+            "chatkv p50",
+            "chatkv p95",
+            "re-prefill p50",
+            "re-prefill p95",
+            "ratio p50",
+        ],
+        rows,
+    )
+    print_table(
+        "aggregate throughput (completion tokens of all turns / wall time of the whole run)",
+        ["server", "tokens", "wall", "tokens/s"],
+        [[name, r["tokens"], fmt_s(r["wall_s"]), f"{r['tokens_per_s']:.1f}"] for name, r in results.items()],
+    )
+    ratio = results["chatkv"]["tokens_per_s"] / results["re-prefill"]["tokens_per_s"]
+    last = args.turns - 1
+    print(f"\nthroughput chatkv / re-prefill: {fmt_ratio(ratio)}")
+    print(
+        f"last turn TTFT p50: chatkv {fmt_s(median([r.ttft_s[last] for r in ours]))}, re-prefill "
+        f"{fmt_s(median([r.ttft_s[last] for r in base]))} "
+        f"({fmt_ratio(median([r.ttft_s[last] for r in base]) / median([r.ttft_s[last] for r in ours]))})"
+    )
+    one_session = all(len(r.sessions) == 1 for r in ours + base)
+    print(f"each user's turns continued one session: {'yes' if one_session else 'NO'}")
+    same = sum(a.replies == b.replies for a, b in zip(ours, base, strict=True))
+    verdict = "yes" if same == len(ours) else f"WARNING: {len(ours) - same} of {len(ours)} differ"
+    print(f"replies identical across the two servers: {verdict}")
+    write_json(
+        args.json,
+        {
+            name: {
+                "wall_s": r["wall_s"],
+                "tokens": r["tokens"],
+                "tokens_per_s": r["tokens_per_s"],
+                "users": [
+                    {"ttft_s": u.ttft_s, "cached_tokens": u.cached_tokens, "prompt_tokens": u.prompt_tokens}
+                    for u in r["runs"]
+                ],
+            }
+            for name, r in results.items()
+        },
+        engine,
+    )
+
+
+if __name__ == "__main__":
+    main()

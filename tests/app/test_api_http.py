@@ -1,0 +1,562 @@
+"""The `/v1/` API over real HTTP (the whole server app under uvicorn in a thread, tiny model), at
+the level of bytes and statuses: SSE framing, every error path with OpenAI's error shape and
+nothing stored, the key checked before a body is read, the body and per-tenant limits, a client
+that goes away mid-stream, the native session routes and the OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from app.body_limits import DEFAULT_BODY_LIMITS
+from app.server import build_app
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from sessions.settings import Settings
+from tests.conftest import make_settings
+
+LIMIT = 2
+"""The server's `max_concurrent_requests_per_tenant`."""
+HUGE_BYTES = 200_000_000
+"""Announced in `Content-Length` and never sent: a server that waited for it would time out."""
+
+
+@dataclass
+class Server:
+    manager: SessionManager
+    url: str
+    keys: dict[str, str]
+    model: str
+
+    def post(self, path: str, body: Any = None, tenant: str = "acme", **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.keys[tenant]}", **kwargs.pop("headers", {})}
+        if body is not None:
+            kwargs["json"] = body
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=60, **kwargs)
+
+    def get(self, path: str, tenant: str = "acme") -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", headers={"Authorization": f"Bearer {self.keys[tenant]}"}, timeout=60)
+
+    def stored(self) -> dict[str, list[tuple[str, int]]]:
+        """Every tenant's sessions and their message counts."""
+        return {name: sorted((s.id, s.message_count) for s in self.manager.list_sessions(name)) for name in self.keys}
+
+    def wait_idle(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.manager.engine.loop.stats().running or self.manager.engine.loop.stats().waiting:
+            assert time.monotonic() < deadline, "the engine loop is still running a turn"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_engine: Engine) -> Iterator[Server]:
+    home = tmp_path_factory.mktemp("api-http") / "home"
+    settings = make_settings(home, max_concurrent_requests_per_tenant=LIMIT)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        keys = {name: manager.issue_api_key(manager.create_tenant(name)) for name in ("acme", "beta")}
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        app = build_app(manager, local=False, token="admin-token")
+        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not uv.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert uv.started, "uvicorn did not start"
+        try:
+            yield Server(manager, f"http://127.0.0.1:{sock.getsockname()[1]}/v1", keys, manager.model_name)
+        finally:
+            uv.should_exit = True
+            thread.join(30)
+            sock.close()
+            app.state.prefetcher.close()
+
+
+def _chat(server: Server, content: str = "Hello", **fields: Any) -> dict[str, Any]:
+    return {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **fields}
+
+
+def _error(response: httpx.Response, status: int, code: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["type"] == ("rate_limit_error" if status == 429 else "invalid_request_error")
+    assert isinstance(error["message"], str) and error["message"]
+    return str(error["message"])
+
+
+def _frames(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking its framing (`data: ...` then a blank line)."""
+    body = response.read().decode()
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), body
+    return [e.removeprefix("data: ") for e in events]
+
+
+# -- SSE framing ---------------------------------------------------------------------------------
+
+
+def test_a_streamed_completion_is_framed_as_openai_chunks(server: Server) -> None:
+    body = _chat(server, "Stream 你好 🎉", max_tokens=6, stream=True, stream_options={"include_usage": True})
+    with httpx.stream(
+        "POST", f"{server.url}/chat/completions", json=body, headers={"Authorization": f"Bearer {server.keys['acme']}"}
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["cache-control"] == "no-cache"
+        session_id = response.headers["x-session-id"]
+        frames = _frames(response)
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *content, finish, last = chunks[1:]
+    assert all(c["usage"] is None and c["choices"][0]["finish_reason"] is None for c in content)
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    text = "".join(c["choices"][0]["delta"]["content"] for c in content)
+    [_, reply] = server.manager.history("acme", session_id)
+    assert reply.text == text
+
+
+def test_a_completion_and_its_session_header(server: Server) -> None:
+    response = server.post("/chat/completions", _chat(server, max_tokens=3))
+    assert response.status_code == 200
+    completion = response.json()
+    assert completion["object"] == "chat.completion" and completion["model"] == server.model
+    [choice] = completion["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    usage = completion["usage"]
+    assert usage["completion_tokens"] == 3 and usage["total_tokens"] == usage["prompt_tokens"] + 3
+    assert server.manager.history("acme", response.headers["x-session-id"])[1].text == choice["message"]["content"]
+
+
+# -- authentication and limits --------------------------------------------------------------------
+
+ROUTES = [
+    ("GET", "/models"),
+    ("GET", "/models/x"),
+    ("POST", "/chat/completions"),
+    ("GET", "/sessions"),
+    ("POST", "/sessions"),
+    ("GET", "/sessions/s_x"),
+    ("DELETE", "/sessions/s_x"),
+    ("POST", "/sessions/s_x/messages"),
+    ("POST", "/sessions/s_x/prefetch"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer wrong", "Bearer ckv_tn_0000000000000000_secret", "Basic abc", "abc"],
+    ids=["missing", "wrong", "unknown-tenant", "basic", "no-scheme"],
+)
+def test_every_route_needs_a_tenant_key_and_says_the_same_either_way(
+    server: Server, method: str, path: str, authorization: str | None
+) -> None:
+    before = server.stored()
+    headers = {"Authorization": authorization} if authorization else {}
+    response = httpx.request(method, f"{server.url}{path}", headers=headers, json=_chat(server), timeout=30)
+    message = _error(response, 401, "invalid_api_key")
+    assert message.startswith("missing or wrong API key")
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert server.stored() == before
+
+
+def _exchange(port_url: str, head: str) -> tuple[int, bytes]:
+    """Send a request's head announcing a body that never comes; read the answer."""
+    host, port = port_url.removeprefix("http://").split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536) or pytest.fail(f"connection closed after {data!r}")
+        head_bytes, _, answer = data.partition(b"\r\n\r\n")
+        lines = head_bytes.decode("latin-1").split("\r\n")
+        fields = dict(line.lower().split(": ", 1) for line in lines[1:])
+        while len(answer) < int(fields.get("content-length", 0)):
+            answer += sock.recv(65536) or pytest.fail("connection closed mid-answer")
+    return int(lines[0].split()[1]), answer
+
+
+def _head(key: str | None) -> str:
+    auth = [f"Authorization: Bearer {key}"] if key else []
+    lines = ["POST /v1/chat/completions HTTP/1.1", "Host: test", "Content-Type: application/json"]
+    return "\n".join([*lines, f"Content-Length: {HUGE_BYTES}", *auth, ""])
+
+
+def test_the_key_is_checked_before_the_body_is_read_and_the_body_is_limited(server: Server) -> None:
+    started = time.monotonic()
+    status, answer = _exchange(server.url, _head("wrong"))
+    assert status == 401 and json.loads(answer)["error"]["code"] == "invalid_api_key"
+    status, answer = _exchange(server.url, _head(server.keys["acme"]))
+    limit = DEFAULT_BODY_LIMITS.for_path("/v1/chat/completions")
+    assert (status, json.loads(answer)) == (
+        413,
+        {
+            "error": {
+                "message": f"request body too large: the limit here is {limit:,} bytes",
+                "type": "invalid_request_error",
+                "code": "request_too_large",
+            }
+        },
+    )
+    assert time.monotonic() - started < 5  # neither waited for the 200 MB
+
+
+@dataclass
+class OpenStream:
+    """A streaming request whose first chunk has arrived (its turn is running)."""
+
+    client: httpx.Client
+    response: httpx.Response
+    lines: Iterator[str]
+    """Kept: dropping a started line iterator closes the connection (the client would go away)."""
+
+    def close(self) -> None:
+        self.response.close()
+        self.client.close()
+
+
+def _open_stream(server: Server, body: dict[str, Any], tenant: str = "acme") -> OpenStream:
+    client = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {server.keys[tenant]}"})
+    response = client.send(client.build_request("POST", f"{server.url}/chat/completions", json=body), stream=True)
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    assert next(lines).startswith("data: ")
+    return OpenStream(client, response, lines)
+
+
+def test_a_tenant_over_its_concurrent_requests_gets_429_and_others_do_not(server: Server) -> None:
+    body = _chat(server, "Keep going", max_tokens=3000, temperature=0, stream=True)
+    streams = [_open_stream(server, body) for _ in range(LIMIT)]
+    try:
+        before = server.stored()
+        refused = server.post("/chat/completions", _chat(server))
+        _error(refused, 429, "rate_limit_exceeded")
+        assert refused.headers["retry-after"] == "1"
+        assert server.get("/models", tenant="acme").status_code == 429
+        assert server.get("/models", tenant="beta").status_code == 200
+        assert server.stored() == before
+    finally:
+        for stream in streams:
+            stream.close()
+    server.wait_idle()
+    deadline = time.monotonic() + 10
+    while server.get("/models").status_code == 429:  # the slots are released as the streams close
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_the_turn_and_nothing_is_stored(server: Server) -> None:
+    session_id = server.manager.open_session("acme", "Be terse.")
+    before = server.stored()
+    long_turn = _chat(server, "Go on and on", max_tokens=3000, temperature=0, stream=True)
+    for body in ({**long_turn, "session_id": session_id}, long_turn):  # explicit, then a new session
+        stream = _open_stream(server, body)
+        started = time.monotonic()
+        stream.close()
+        server.wait_idle()
+        assert time.monotonic() - started < 10  # 3,000 tokens were not generated
+        assert server.stored() == before
+
+
+def test_a_busy_session_is_409_and_a_found_busy_session_is_not_continued(server: Server) -> None:
+    first = server.post("/chat/completions", _chat(server, "Remember me", temperature=0))
+    session_id = first.headers["x-session-id"]
+    history = [
+        {"role": "user", "content": "Remember me"},
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Next"},
+    ]
+    stream = _open_stream(server, _chat(server, "Hold on", max_tokens=3000, stream=True, session_id=session_id))
+    try:
+        busy = server.post("/chat/completions", _chat(server, "Me too"), headers={"X-Session-ID": session_id})
+        _error(busy, 409, "session_busy")
+        # A stateless client with that history gets a new session rather than waiting.
+        other = server.post("/chat/completions", {"model": server.model, "messages": history, "max_tokens": 2})
+        assert other.status_code == 200 and other.headers["x-session-id"] != session_id
+    finally:
+        stream.close()
+    server.wait_idle()
+
+
+# -- every bad request -----------------------------------------------------------------------------
+
+LONG = "a" * 1_000_001
+
+
+def _bad(content: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str, str]] = [
+    # (id, body: dict merged into a valid request, or raw bytes), status, code, part of the message
+    ("not-json", b"{not json", 400, "invalid_request", "not valid JSON"),
+    ("not-utf8", b'{"model": "\xff"}', 400, "invalid_request", "error parsing the body"),
+    ("messages-not-a-list", {"messages": "hi"}, 400, "invalid_request", "messages"),
+    ("no-messages", {"messages": []}, 400, "invalid_request", "messages"),
+    ("content-a-number", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request", "content"),
+    ("max-tokens-a-string", {"max_tokens": "5"}, 400, "invalid_request", "max_tokens"),
+    ("max-tokens-a-float", {"max_tokens": 5.5}, 400, "invalid_request", "max_tokens"),
+    ("temperature-a-string", {"temperature": "hot"}, 400, "invalid_request", "temperature"),
+    ("stream-a-string", {"stream": "yes"}, 400, "invalid_request", "stream"),
+    ("model-missing", {"model": None}, 400, "invalid_request", "model"),
+    ("empty-message", _bad(""), 400, "invalid_request", "non-empty"),
+    ("blank-message", _bad("   "), 400, "invalid_request", "non-empty"),
+    ("oversized-message", _bad(LONG), 400, "invalid_request", "longer than 1,000,000 characters"),
+    ("nul", _bad("a\x00b"), 400, "invalid_request", "NUL"),
+    (
+        "lone-surrogate",
+        b'{"model": "$MODEL", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+        400,
+        "invalid_request",
+        "surrogate",
+    ),
+    (
+        "history-nul",
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "\x00"},
+                {"role": "user", "content": "b"},
+            ]
+        },
+        400,
+        "invalid_request",
+        "NUL",
+    ),
+    (
+        "assistant-first",
+        {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]},
+        400,
+        "invalid_request",
+        "alternating",
+    ),
+    (
+        "two-users",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+        400,
+        "invalid_request",
+        "alternating",
+    ),
+    (
+        "ends-with-assistant",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        400,
+        "invalid_request",
+        "alternating",
+    ),
+    (
+        "late-system",
+        {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
+        400,
+        "invalid_request",
+        "alternating",
+    ),
+    ("unknown-role", {"messages": [{"role": "robot", "content": "a"}]}, 400, "invalid_request", "role"),
+    ("no-content", {"messages": [{"role": "user"}]}, 400, "invalid_request", "content is required"),
+    ("n-2", {"n": 2}, 400, "unsupported_parameter", "`n` other than 1"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter", "tools"),
+    ("tool-choice", {"tool_choice": "auto"}, 400, "unsupported_parameter", "tools"),
+    ("functions", {"functions": [{"name": "f"}]}, 400, "unsupported_parameter", "functions"),
+    (
+        "tool-message",
+        {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+        400,
+        "unsupported_parameter",
+        "tool",
+    ),
+    (
+        "image",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        400,
+        "unsupported_parameter",
+        "image_url",
+    ),
+    ("logprobs", {"logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+    ("json-mode", {"response_format": {"type": "json_object"}}, 400, "unsupported_parameter", "response_format"),
+    ("penalty", {"presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
+    ("max-tokens-0", {"max_tokens": 0}, 400, "invalid_request", "max_new_tokens"),
+    ("negative-temperature", {"temperature": -1.0}, 400, "invalid_request", "temperature"),
+    ("top-p-0", {"top_p": 0.0}, 400, "invalid_request", "top_p"),
+    ("five-stops", {"stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request", "at most 4"),
+    ("empty-stop", {"stop": [""]}, 400, "invalid_request", "empty"),
+    ("unknown-model", {"model": "gpt-4o"}, 404, "model_not_found", "gpt-4o"),
+    ("unknown-session", {"session_id": "s_missing"}, 404, "session_not_found", "s_missing"),
+    ("context-too-long", {"max_tokens": 100_000}, 413, "context_length_exceeded", "too long"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "message"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_a_bad_request_gets_a_clear_4xx_and_changes_nothing(
+    server: Server, body: Any, status: int, code: str, message: str
+) -> None:
+    before = server.stored()
+    if isinstance(body, bytes):
+        raw = body.replace(b"$MODEL", server.model.encode())
+        response = server.post("/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    else:
+        response = server.post(
+            "/chat/completions", {k: v for k, v in {**_chat(server), **body}.items() if v is not None}
+        )
+    assert message in _error(response, status, code)
+    assert server.stored() == before
+
+
+def test_sessions_named_wrongly_are_refused_and_another_tenants_is_a_404_like_a_missing_one(server: Server) -> None:
+    own = server.manager.open_session("acme", "Be terse.")
+    other = server.manager.open_session("beta")
+    before = server.stored()
+    answers = {
+        sid: server.post("/chat/completions", _chat(server), headers={"X-Session-ID": sid}) for sid in (other, "s_nope")
+    }
+    assert [_error(a, 404, "session_not_found").replace(sid, "<id>") for sid, a in answers.items()] == [
+        "session not found: <id>"
+    ] * 2
+    with_history = {
+        "messages": [*_bad("a")["messages"], {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    }
+    for body, headers, text in [
+        ({**_chat(server), **with_history}, {"X-Session-ID": own}, "send only the new user message"),
+        (
+            {**_chat(server), "messages": [{"role": "system", "content": "Other."}, {"role": "user", "content": "x"}]},
+            {"X-Session-ID": own},
+            "differs from the session's system prompt",
+        ),
+        ({**_chat(server), "session_id": own}, {"X-Session-ID": other}, "name different sessions"),
+    ]:
+        assert text in _error(server.post("/chat/completions", body, headers=headers), 400, "invalid_request")
+    assert server.stored() == before
+
+
+# -- native session routes ------------------------------------------------------------------------
+
+
+def test_native_sessions_create_list_get_message_prefetch_delete(server: Server) -> None:
+    created = server.post("/sessions", {"system_prompt": "Be terse.", "title": "native"})
+    assert created.status_code == 201
+    session = created.json()
+    assert (session["object"], session["title"], session["message_count"], session["tier"]) == (
+        "session",
+        "native",
+        0,
+        None,
+    )
+    sid = session["id"]
+    assert sid in {s["id"] for s in server.get("/sessions").json()["data"]}
+    assert sid not in {s["id"] for s in server.get("/sessions", tenant="beta").json()["data"]}
+
+    sent = server.post(f"/sessions/{sid}/messages", {"content": "Hello", "max_tokens": 4})
+    assert sent.status_code == 200 and sent.headers["x-session-id"] == sid
+    reply = sent.json()
+    assert reply["object"] == "session.message" and reply["finish_reason"] == "length"
+    assert reply["stats"]["restored_from"] == "new" and reply["usage"]["completion_tokens"] == 4
+    with httpx.stream(
+        "POST",
+        f"{server.url}/sessions/{sid}/messages",
+        json={"content": "Again", "max_tokens": 4, "stream": True},
+        headers={"Authorization": f"Bearer {server.keys['acme']}"},
+    ) as response:
+        frames = _frames(response)
+    assert frames[-1] == "[DONE]"
+    *deltas, final = [json.loads(f) for f in frames[:-1]]
+    assert {d["object"] for d in deltas} == {"session.message.delta"}
+    assert final["message"]["content"] == "".join(d["content"] for d in deltas)
+    assert final["stats"]["restored_from"] == "device"
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == final["stats"]["reused_tokens"] > 0
+
+    detail = server.get(f"/sessions/{sid}").json()
+    assert [(m["role"], m["content"]) for m in detail["messages"]] == [
+        ("user", "Hello"),
+        ("assistant", reply["message"]["content"]),
+        ("user", "Again"),
+        ("assistant", final["message"]["content"]),
+    ]
+    assert detail["messages"][1]["tokens"] == 4 and detail["tier"] == "device"
+
+    server.manager.flush()
+    assert server.manager.evict_session("acme", sid, "disk") == "disk"
+    prefetch = server.post(f"/sessions/{sid}/prefetch")
+    assert (prefetch.status_code, prefetch.json()) == (
+        202,
+        {"id": sid, "object": "session.prefetch", "status": "started"},
+    )
+    deadline = time.monotonic() + 20
+    while server.get(f"/sessions/{sid}").json()["tier"] != "device":
+        assert time.monotonic() < deadline, "the prefetch did not bring the cache to the device"
+        time.sleep(0.05)
+
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/prefetch")):
+        response = httpx.request(
+            method, f"{server.url}/sessions/{sid}{path}", headers={"Authorization": f"Bearer {server.keys['beta']}"}
+        )
+        _error(response, 404, "session_not_found")
+    deleted = httpx.delete(f"{server.url}/sessions/{sid}", headers={"Authorization": f"Bearer {server.keys['acme']}"})
+    assert deleted.json() == {"id": sid, "object": "session.deleted", "deleted": True}
+    _error(server.get(f"/sessions/{sid}"), 404, "session_not_found")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "text"),
+    [
+        ("/sessions", {"system_prompt": 5}, "system_prompt"),
+        ("/sessions", {"system_prompt": "a\x00"}, "NUL"),
+        ("/sessions", {"title": "t" * 201}, "title longer"),
+        ("/sessions", {"unknown": 1}, "unknown"),
+        ("/sessions/{sid}/messages", {"content": ""}, "non-empty"),
+        ("/sessions/{sid}/messages", {"content": "x", "max_tokens": "3"}, "max_tokens"),
+        ("/sessions/{sid}/messages", {"content": "x", "stop": ["", "y"]}, "empty"),
+    ],
+)
+def test_native_bad_requests_are_400_and_change_nothing(server: Server, path: str, body: Any, text: str) -> None:
+    sid = server.manager.open_session("acme")
+    before = server.stored()
+    assert text in _error(server.post(path.format(sid=sid), body), 400, "invalid_request")
+    assert server.stored() == before
+
+
+def test_the_openapi_schema_documents_the_v1_routes(server: Server) -> None:
+    schema = httpx.get(server.url.removesuffix("/v1") + "/openapi.json").json()
+    assert {
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/v1/sessions",
+        "/v1/sessions/{session_id}",
+        "/v1/sessions/{session_id}/messages",
+        "/v1/sessions/{session_id}/prefetch",
+    } <= set(schema["paths"])
+    completions = schema["paths"]["/v1/chat/completions"]["post"]
+    assert completions["security"] == [{"HTTPBearer": []}]
+    assert "text/event-stream" in completions["responses"]["200"]["content"]
+    request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert "precedence" in request["max_completion_tokens"]["description"]
+    cached = schema["components"]["schemas"]["PromptTokensDetails"]["properties"]["cached_tokens"]
+    assert "served from chatkv's cache" in cached["description"]
+
+
+def test_the_api_settings_come_from_the_environment_and_are_checked(tmp_path: Path) -> None:
+    env = {"CHATKV_HOME": str(tmp_path), "CHATKV_MAX_CONCURRENT_REQUESTS_PER_TENANT": "3", "CHATKV_REUSE_KV": "0"}
+    settings = Settings.from_env(env)
+    assert (settings.max_concurrent_requests_per_tenant, settings.reuse_kv) == (3, False)
+    assert Settings.from_env({"CHATKV_HOME": str(tmp_path)}).max_concurrent_requests_per_tenant == 16
+    with pytest.raises(ValueError, match="max_concurrent_requests_per_tenant must be an integer >= 1"):
+        Settings.from_env({**env, "CHATKV_MAX_CONCURRENT_REQUESTS_PER_TENANT": "0"})
+    with pytest.raises(ValueError, match="CHATKV_REUSE_KV: not a boolean"):
+        Settings.from_env({**env, "CHATKV_REUSE_KV": "maybe"})
