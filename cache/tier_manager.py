@@ -363,6 +363,18 @@ class TierManager:
                     break
             self._enforce_disk_budget()
 
+    def wait_for_leases(self, timeout_s: float) -> bool:
+        """Wait until no session is leased (every turn let go), at most `timeout_s` seconds.
+        Returns whether none is."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if not any(entry.leased for entry in self._entries.values()):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
     def reserve_device_bytes(self, nbytes: int, *, force: bool) -> bool:
         """Reserve device bytes for a request's working KV buffer (the engine loop's admission),
         moving idle caches down first. Returns `False`, reserving nothing, when even then the
@@ -370,12 +382,22 @@ class TierManager:
 
         Raises:
             ValueError: if `nbytes` is negative.
+            SealFailed, OSError: from moving a cache down; nothing is reserved then.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         with self._lock:
             self._reserved_device_bytes += nbytes
-            self.enforce_budgets()
+            try:
+                # The device tier only: moving idle caches to the host seals them in memory, while
+                # the host and disk budgets (disk writes) are enforced when a lease ends, on the
+                # turn's own thread, not on the engine loop's.
+                while self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes > self.budgets.device_bytes:
+                    if self._evict_one_from_device(None) is None:
+                        break
+            except BaseException:
+                self._reserved_device_bytes -= nbytes
+                raise
             if force or self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes <= self.budgets.device_bytes:
                 return True
             self._reserved_device_bytes -= nbytes

@@ -95,3 +95,9 @@ class KeyMismatch(ChatKVError):
     """The master key in use did not wrap the stored tenant keys (rotation refused)."""
 
     http_status = 409
+
+
+class ManagerClosed(ChatKVError):
+    """The `SessionManager` was closed: it takes no new turns, and turns in flight were cancelled."""
+
+    http_status = 503

@@ -40,6 +40,7 @@ from sessions.errors import (
     ContextTooLong,
     HomeLocked,
     InvalidInput,
+    ManagerClosed,
     ModelUnavailable,
     SessionBusy,
     SessionNotFound,
@@ -73,6 +74,8 @@ _API_KEY_PREFIX = "ckv_"
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
 MAX_CACHED_TRANSCRIPTS = 4096
+CLOSE_LEASE_WAIT_S = 30.0
+"""How long `close()` waits for cancelled turns to release their sessions."""
 
 
 @dataclass(frozen=True)
@@ -196,10 +199,18 @@ class SessionManager:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Persist caches to disk (a restart resumes warm), stop the write-back, close the database."""
+        """Cancel turns in flight (they raise `ManagerClosed` and store nothing) and wait for them
+        to let go of their sessions, persist caches to disk (a restart resumes warm), stop the
+        write-back, close the database, release the home. Later calls that start work raise
+        `ManagerClosed`. A server waits for its turns to finish before it closes the manager."""
         if self._closed:
             return
         self._closed = True
+        self.runner.cancel_all(ManagerClosed("the chatkv manager was closed during this turn"))
+        if not self.tiers.wait_for_leases(CLOSE_LEASE_WAIT_S):
+            log.warning(
+                "turns still hold sessions %.0f s after close(); their caches are not persisted", CLOSE_LEASE_WAIT_S
+            )
         self.engine.loop.remove_observer(self.metrics)
         try:
             self.tiers.persist_all()
@@ -224,6 +235,10 @@ class SessionManager:
 
     # -- tenants -------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosed("the chatkv manager is closed")
+
     def create_tenant(self, name: str) -> Tenant:
         """Create a tenant with a fresh data-encryption key.
 
@@ -231,6 +246,7 @@ class SessionManager:
             InvalidInput: if the name is not 1-64 of `A-Z a-z 0-9 _ . -` (starting alphanumeric).
             TenantExists: if the name is taken.
         """
+        self._check_open()
         if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name) or name.startswith(_ID_PREFIX_TENANT):
             raise InvalidInput(f"invalid tenant name {name!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting 'tn_')")
         tenant_id = TenantId(_ID_PREFIX_TENANT + secrets.token_hex(8))
@@ -344,6 +360,7 @@ class SessionManager:
             ContextTooLong: if the system prompt leaves less than `MIN_TURN_TOKENS` of the
                 context window for the conversation.
         """
+        self._check_open()
         tenant_id = self._tenant_id(tenant)
         if system_prompt is not None:
             check_text(system_prompt, "system_prompt", MAX_MESSAGE_CHARS)
@@ -604,6 +621,7 @@ class SessionManager:
                 `expected_turns`.
             ContextTooLong: the message plus `max_new_tokens` cannot fit the context window.
         """
+        self._check_open()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         stop_strings = StopStrings(stop)
         check_text(message, "message", MAX_MESSAGE_CHARS)

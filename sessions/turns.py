@@ -144,6 +144,7 @@ class TurnRunner:
         self.reuse_kv = reuse_kv
         self._active: dict[CacheKey, Request] = {}
         self._active_lock = threading.Lock()
+        self._closed_error: BaseException | None = None
 
     @contextmanager
     def _running(self, key: CacheKey, request: Request) -> Iterator[None]:
@@ -151,6 +152,8 @@ class TurnRunner:
         (a closed stream) cancels it, so the loop frees its KV at the next step."""
         with self._active_lock:
             self._active[key] = request
+            if self._closed_error is not None:
+                request.cancel(self._closed_error)
         try:
             yield
         finally:
@@ -171,6 +174,16 @@ class TurnRunner:
             ]
         for key, request in doomed:
             request.cancel(SessionNotFound(key.name))
+        self.engine.loop.wake()
+
+    def cancel_all(self, error: BaseException) -> None:
+        """Cancel every request in flight, and every later one: their turns raise `error` (the
+        manager is closing)."""
+        with self._active_lock:
+            self._closed_error = error
+            doomed = list(self._active.values())
+        for request in doomed:
+            request.cancel(error)
         self.engine.loop.wake()
 
     def base_key(self, tenant_id: TenantId, session_id: SessionId, base_ids: Sequence[int]) -> PrefixKey:

@@ -18,13 +18,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
 from cache.ids import TenantId
-from cache.session_cache import PreallocatedLayer
+from cache.session_cache import PreallocatedLayer, WorkingCache
 from sessions.engine.batch import PackedBatch, pack
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.request import Request
@@ -146,7 +146,7 @@ class EngineLoop:
         self._release(plan)
         if plan.chunks:
             self._step(plan)
-        elif not plan.admitted and not plan.dropped and not plan.finished_early:
+        elif not (plan.admitted or plan.dropped or plan.finished_early or plan.failed):
             with self._wake:  # every runnable request waits for KV room: wait for a change
                 self._wake.wait(timeout=0.05)
 
@@ -157,19 +157,29 @@ class EngineLoop:
         for request in plan.finished_early:
             self._free(request)
             request.finish()
+        for request, error in plan.failed:
+            self._free(request)
+            request.fail(error)
         for request in plan.admitted:
-            if request.working is None:
-                if request.start is None:
-                    raise RuntimeError(f"bug: request {request.id} has neither a start cache nor a buffer")
-                extra = len(request.pending_ids) + (request.params.max_new_tokens if request.params else 0)
-                request.working = request.start.to_working_cache(extra)
             request.scheduled_at = time.monotonic()
+            if request.working is not None:
+                continue
+            try:
+                request.working = _build_working(request)
+            # Building one buffer can fail (out of memory): that fails this request only.
+            except Exception as exc:  # noqa: BLE001
+                log.warning("request %s: its KV buffer could not be built: %s", request.id, exc)
+                self._finish(request, error=exc)
 
     @torch.inference_mode()
     def _step(self, plan: StepPlan) -> None:
         started = time.monotonic()
         try:
-            batch = pack([(_layers(c.request), c.token_ids, c.samples) for c in plan.chunks], self._device)
+            chunks = [c for c in plan.chunks if not c.request.done]  # a buffer that failed to build
+            plan = replace(plan, chunks=tuple(chunks))
+            if not chunks:
+                return
+            batch = pack([(_layers(c.request), c.token_ids, c.samples) for c in chunks], self._device)
             logits = self._forward(batch)
         # The loop is the boundary between every caller and the model: an error of one forward pass
         # (out of memory, a model bug) must reach the callers of that step, not kill the thread.
@@ -196,7 +206,13 @@ class EngineLoop:
                 continue
             if request.sampled_logits is not None:
                 request.sampled_logits.append(row_logits.detach().to("cpu", torch.float32).clone())
-            token = request.sampler(row_logits)
+            try:
+                token = request.sampler(row_logits)
+            # One request's bad row (NaN logits, a sampler bug) fails that request, not the step.
+            except Exception as exc:  # noqa: BLE001
+                log.warning("request %s: sampling failed: %s", request.id, exc)
+                self._finish(request, error=exc)
+                continue
             request.emit(token)
             if request.wants_to_stop(token):
                 self._finish(request)
@@ -229,6 +245,14 @@ class EngineLoop:
             observers = list(self._observers)
         for observer in observers:
             observer.step(requests, tokens, forward_s)
+
+
+def _build_working(request: Request) -> WorkingCache:
+    """The request's KV buffer: its start cache plus room for the prefill and the reply."""
+    if request.start is None:
+        raise RuntimeError(f"bug: request {request.id} has neither a start cache nor a buffer")
+    extra = len(request.pending_ids) + (request.params.max_new_tokens if request.params else 0)
+    return request.start.to_working_cache(extra)
 
 
 def _layers(request: Request) -> list[PreallocatedLayer]:

@@ -43,6 +43,8 @@ class StepPlan:
     """Cancelled requests removed from the queues (the loop releases their KV)."""
     finished_early: tuple[Request, ...] = ()
     """Running requests asked to `finish_early`, removed from the queue (the loop finishes them)."""
+    failed: tuple[tuple[Request, BaseException], ...] = ()
+    """Requests whose admission raised, removed from the queue (the loop fails them)."""
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +100,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._rotation = 0
+        self.failed: list[tuple[Request, BaseException]] = []
+        """Requests that failed at admission, for the loop to fail (taken by `schedule`)."""
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -114,7 +118,8 @@ class Scheduler:
         dropped = self._drop_cancelled()
         finished = self._take_finished_early()
         admitted = self._admit()
-        return StepPlan(self._pack(), tuple(admitted), tuple(dropped), tuple(finished))
+        failed, self.failed = tuple(self.failed), []
+        return StepPlan(self._pack(), tuple(admitted), tuple(dropped), tuple(finished), failed)
 
     def counts_by_tenant(self) -> tuple[dict[TenantId, int], dict[TenantId, int]]:
         """(running, waiting) request counts per tenant."""
@@ -141,7 +146,15 @@ class Scheduler:
                 break
             if per_tenant.get(request.tenant_id, 0) >= self.config.tenant_limit:
                 continue
-            if not self._reserve(request):
+            try:
+                reserved = self._reserve(request)
+            # Making room can fail (a full disk under a base-layer write, a bug in a store): that
+            # must fail this request, not every request of the loop.
+            except Exception as exc:  # noqa: BLE001
+                self.waiting.remove(request)
+                self.failed.append((request, exc))
+                continue
+            if not reserved:
                 break  # the device is full: later requests wait too, in order
             self.waiting.remove(request)
             self.running.append(request)
@@ -164,24 +177,25 @@ class Scheduler:
         budget = self.config.max_step_tokens
         cap = self.config.max_batch_requests or len(self.running)
         ordered = self._rotated()
-        decoding = [r for r in ordered if not r.in_prefill]
-        prefilling = [r for r in ordered if r.in_prefill]
+        if len(ordered) <= min(budget, cap):
+            # Everyone fits: decodes first, so a prefill chunk takes only what they leave.
+            ordered = [r for r in ordered if not r.in_prefill] + [r for r in ordered if r.in_prefill]
         chunks: list[ScheduledChunk] = []
-        for request in [*decoding, *prefilling]:
+        for request in ordered:
             if budget <= 0 or len(chunks) >= cap:
                 break
             take = request.pending_ids[:budget]
             chunks.append(ScheduledChunk(request, tuple(take), samples=len(take) == len(request.pending_ids)))
             budget -= len(take)
-        if chunks and self.config.max_batch_requests:
-            self._rotation += len(chunks)
+        if len(chunks) < len(self.running):
+            self._rotation += len(chunks)  # those left out this step go first in the next
         return tuple(chunks)
 
     def _rotated(self) -> list[Request]:
-        """Running requests, starting at a rotating offset when steps are capped, so capped
-        requests take turns."""
-        if not self.running or not self.config.max_batch_requests:
-            return list(self.running)
+        """Running requests from a rotating offset, so that when a step cannot take them all (the
+        token budget or `max_batch_requests`), they take turns instead of the last ones starving."""
+        if not self.running:
+            return []
         start = self._rotation % len(self.running)
         return self.running[start:] + self.running[:start]
 

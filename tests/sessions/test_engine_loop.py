@@ -13,7 +13,7 @@ import torch
 from cache.tiers import Tier
 from sessions.engine import Engine, Request, RequestResult, SchedulerConfig
 from sessions.engine.batch import PackedBatch
-from sessions.errors import SessionNotFound, TenantNotFound
+from sessions.errors import ManagerClosed, SessionNotFound, TenantNotFound
 from sessions.manager import SessionManager
 from sessions.records import Reply
 from sessions.sampling import SamplingParams
@@ -304,3 +304,95 @@ def test_twenty_threads_over_four_tenants_with_small_budgets(tmp_path: Path, tin
         assert usage.bytes[Tier.DEVICE] <= budget and usage.bytes[Tier.HOST] <= budget
         assert usage.sessions[Tier.HOST] + usage.sessions[Tier.DISK] > 0  # the budget did force offloading
         assert usage.reserved_device_bytes == 0
+
+
+def test_one_requests_bad_logits_fail_only_that_request(tiny_manager: SessionManager) -> None:
+    manager, engine = tiny_manager, tiny_manager.engine
+    tenant = manager.create_tenant("acme")
+    sids = [manager.open_session(tenant) for _ in range(4)]
+    alone = attempt(manager, tenant, manager.open_session(tenant))
+    assert isinstance(alone, Reply)
+    want = alone.token_ids
+    entered, release, undo = hold_the_loop(engine)
+    forward = engine.forward
+    poisoned: list[int] = []
+
+    def nan_once(batch: PackedBatch) -> torch.Tensor:
+        logits = forward(batch)
+        if not poisoned and len(batch.segments) == 4:
+            poisoned.append(1)
+            logits[0] = float("nan")  # the first request's row, as an fp16 overflow would leave it
+        return logits
+
+    try:
+        results = [None] * 4
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, attempt(manager, tenant, sids[i])))
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        assert entered.wait(30)
+        undo()
+        engine.forward = nan_once  # type: ignore[method-assign]
+        release.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        release.set()
+        if "forward" in vars(engine):
+            del engine.forward
+    assert poisoned
+    failed = [r for r in results if isinstance(r, RuntimeError)]
+    assert len(failed) == 1, results
+    assert [r.token_ids for r in results if isinstance(r, Reply)] == [want] * 3
+    assert manager.tiers.usage().reserved_device_bytes == 0
+
+
+def attempt(manager: SessionManager, tenant: object, sid: str) -> object:
+    try:
+        return manager.chat(tenant, sid, "same", max_new_tokens=6, temperature=0.7, seed=1)  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        return exc
+
+
+def test_a_failed_eviction_at_admission_releases_its_reservation(tmp_path: Path, tiny_engine: Engine) -> None:
+    budget = 60 * tiny_engine.layout.bytes_per_token
+    settings = make_settings(tmp_path / "home", device_budget_bytes=budget, tenant_device_quota_bytes=budget)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        first, second = manager.open_session(tenant), manager.open_session(tenant)
+        manager.chat(tenant, first, "hello there", max_new_tokens=8)  # idle on the device now
+        evict = manager.tiers._evict_one_from_device
+
+        def full_disk(tenant_id: object) -> int | None:
+            raise OSError(28, "No space left on device")
+
+        manager.tiers._evict_one_from_device = full_disk  # type: ignore[method-assign,assignment]
+        try:
+            with pytest.raises(OSError):
+                manager.chat(tenant, second, "and you", max_new_tokens=30)
+        finally:
+            manager.tiers._evict_one_from_device = evict  # type: ignore[method-assign]
+        assert manager.tiers.usage().reserved_device_bytes == 0
+        assert manager.history(tenant, second) == []
+        reply = manager.chat(tenant, second, "and you", max_new_tokens=30)  # the loop still serves
+        assert len(manager.history(tenant, second)) == 2 and reply.text is not None
+
+
+def test_close_cancels_turns_in_flight_and_refuses_new_ones(tmp_path: Path, tiny_engine: Engine) -> None:
+    manager = SessionManager(make_settings(tmp_path / "home"), engine=tiny_engine)
+    tenant = manager.create_tenant("acme")
+    sid = manager.open_session(tenant)
+    stream = manager.stream_chat(tenant, sid, "hello", max_new_tokens=500, temperature=1.0, seed=2)
+    next(stream)
+    manager.close()
+    with pytest.raises(ManagerClosed):
+        list(stream)
+    with pytest.raises(ManagerClosed):
+        manager.chat(tenant, sid, "again")
+    with pytest.raises(ManagerClosed):
+        manager.open_session(tenant)
+    with SessionManager(make_settings(tmp_path / "home"), engine=tiny_engine) as reopened:
+        assert reopened.history(tenant.id, sid) == []  # the cancelled turn stored nothing
+        assert reopened.chat(tenant.id, sid, "hello", max_new_tokens=4).stats.decode_tokens > 0

@@ -137,3 +137,39 @@ def test_cancelled_requests_are_dropped_before_the_step() -> None:
 def test_bad_limits_are_refused_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_decodes_beyond_the_token_budget_take_turns_and_a_prefill_gets_its_chunks() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=4))
+    decoding = [request(f"t{i}", prefill=1) for i in range(6)]
+    prefill = request("p", prefill=50)
+    for r in (*decoding, prefill):
+        scheduler.add(r)
+    fed: dict[int, int] = {}
+    for _ in range(8):
+        for chunk in scheduler.schedule().chunks:
+            fed[chunk.request.id] = fed.get(chunk.request.id, 0) + len(chunk.token_ids)
+            if chunk.request is not prefill:  # a decode stays a decode: one pending token again
+                chunk.request.generated.append(1)
+            else:
+                del prefill.pending_ids[: len(chunk.token_ids)]
+    assert all(fed.get(r.id, 0) >= 4 for r in decoding)  # 8 steps x 4 tokens over 7 requests
+    assert fed.get(prefill.id, 0) >= 4
+
+
+class Failing(Budget):
+    def reserve_device_bytes(self, nbytes: int, *, force: bool) -> bool:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_request_whose_admission_raises_fails_alone() -> None:
+    scheduler = Scheduler(SchedulerConfig())
+    ok = request("a", kv_bytes=10, accountant=Budget(100))
+    broken = request("b", kv_bytes=10, accountant=Failing(100))
+    later = request("c", kv_bytes=10, accountant=Budget(100))
+    for r in (ok, broken, later):
+        scheduler.add(r)
+    plan = scheduler.schedule()
+    assert plan.admitted == (ok, later)
+    assert [(r, type(e)) for r, e in plan.failed] == [(broken, OSError)]
+    assert scheduler.schedule().failed == ()

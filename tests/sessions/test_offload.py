@@ -120,15 +120,15 @@ def test_budgets_hold_after_every_turn_and_evict_in_lru_order(
         assert reply.stats.restored_from == "new"
 
         # s0 comes back from disk (a bigger cache now): s3 leaves the device for the host, s2 goes
-        # on to disk, where the oldest blob (s1) is dropped to make room.
+        # on to disk (the disk holds s1 and s2 once s0's blob is gone).
         expected_prefill = new_turn_tokens(manager, tenant.id, sids[0], "more 0")
         reply = manager.chat(tenant, sids[0], "more 0", max_new_tokens=TOKENS)
         assert (reply.stats.restored_from, reply.stats.prefill_tokens) == ("disk", expected_prefill)
-        assert placements(manager, tenant.id, sids) == ["device", None, "disk", "host"]
+        assert placements(manager, tenant.id, sids) == ["device", "disk", "disk", "host"]
         assert_within_budgets(manager)
 
-        # s3 comes back from host: s0 goes down to host and on to disk, where the oldest blob
-        # (s2) is dropped to make room.
+        # s3 comes back from host: s0 goes down to host and on to disk, where the two oldest
+        # blobs (s1, then s2) are dropped to make room.
         expected_prefill = new_turn_tokens(manager, tenant.id, sids[3], "more 3")
         reply = manager.chat(tenant, sids[3], "more 3", max_new_tokens=TOKENS)
         assert (reply.stats.restored_from, reply.stats.prefill_tokens) == ("host", expected_prefill)
