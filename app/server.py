@@ -93,7 +93,8 @@ def build_app(
     from app.admin_api import admin_router
     from app.api_auth import TenantLimiter, api_route_class
     from app.openai_api import openai_router
-    from app.session_api import Prefetcher, session_router
+    from app.prefetch import Prefetcher
+    from app.session_api import session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
     app = FastAPI(
@@ -110,7 +111,7 @@ def build_app(
     app.state.prefetcher = prefetcher
     app.include_router(openai_router(manager, route_class), prefix="/v1")
     app.include_router(session_router(manager, route_class, prefetcher), prefix="/v1")
-    chat_ui = ChatUI(manager, local=local)
+    chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui
 
     @app.get("/metrics")

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Generator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -30,15 +28,14 @@ from app.api_auth import bearer_scheme, tenant_of
 from app.api_errors import response_for
 from app.api_turns import StartedTurn, TurnParams, Usage, check_message, start_turn, usage
 from app.openai_api import SESSION_HEADER, AssistantMessage
+from app.prefetch import Prefetcher
 from app.sse import DONE, EventStream, event
-from cache.ids import SessionId, TenantId
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
 from sessions.records import Message, Reply, RestoreSource, SessionInfo, Tenant
 
 log = logging.getLogger(__name__)
 
-PREFETCH_WORKERS = 2
 TenantDep = Annotated[Tenant, Depends(tenant_of)]
 
 
@@ -136,39 +133,6 @@ class PrefetchStarted(BaseModel):
     id: str
     object: Literal["session.prefetch"] = "session.prefetch"
     status: Literal["started"] = "started"
-
-
-class Prefetcher:
-    """Restores sessions' caches to the device in the background (`SessionManager.restore_session`),
-    a few at a time, each session at most once at a time."""
-
-    def __init__(self, manager: SessionManager) -> None:
-        self._manager = manager
-        self._pool = ThreadPoolExecutor(max_workers=PREFETCH_WORKERS, thread_name_prefix="chatkv-prefetch")
-        self._pending: set[tuple[TenantId, SessionId]] = set()
-        self._lock = threading.Lock()
-
-    def start(self, tenant: Tenant, session_id: SessionId) -> None:
-        key = (tenant.id, session_id)
-        with self._lock:
-            if key in self._pending:
-                return
-            self._pending.add(key)
-        self._pool.submit(self._restore, tenant, session_id)
-
-    def _restore(self, tenant: Tenant, session_id: SessionId) -> None:
-        try:
-            self._manager.restore_session(tenant, session_id)
-        # A turn arrived first (busy: its cache is on the device), or the session went: nothing to do.
-        except ChatKVError as exc:
-            log.debug("prefetch of session %s skipped: %s", session_id, exc)
-        finally:
-            with self._lock:
-                self._pending.discard((tenant.id, session_id))
-
-    def close(self) -> None:
-        """Wait for the restores under way (before the manager closes)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def session_router(manager: SessionManager, route_class: type[APIRoute], prefetcher: Prefetcher) -> APIRouter:

@@ -41,6 +41,7 @@ from sessions.errors import ChatKVError, InvalidInput, TenantExists, TenantNotFo
 from sessions.records import Reply, SessionInfo, Tenant, TurnStats
 
 if TYPE_CHECKING:
+    from app.prefetch import Prefetcher
     from sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ LOCAL_TENANT = "local"
 UNKNOWN_KEY_MESSAGE = "unknown API key"
 """The one answer to a wrong key and to a key of an unknown tenant (they must look the same)."""
 EMPTY_KEY_MESSAGE = "enter an API key"
-CHAT_CONCURRENCY = 4
-"""Turns streamed at once across all tabs; the engine interleaves their model calls token by token."""
+CHAT_CONCURRENCY = 16
+"""Turns streamed at once across all tabs; the engine loop batches them into each forward pass."""
 LABEL_CHARS = 40
 """Longest name of a session in the picker (its title, or its first message), in characters;
 longer ones end with an ellipsis. The label adds when it was last active (`· 5 min ago`)."""
@@ -232,9 +233,11 @@ class ChatUI:
     """Event handlers of the chat page over one manager. Holds no tab's data (that is in
     `ViewState`): only the turns in flight and the first messages that label untitled sessions."""
 
-    def __init__(self, manager: SessionManager, *, local: bool) -> None:
+    def __init__(self, manager: SessionManager, *, local: bool, prefetcher: Prefetcher | None = None) -> None:
         self.manager = manager
         self.local = local
+        self.prefetcher = prefetcher
+        """Restores a selected session's cache to the device before its next message (server only)."""
         self._turns: set[threading.Thread] = set()
         self._streaming: dict[tuple[str, str], _Turn] = {}
         """(tenant id, session id) -> the turn in flight on it (one at most: the session's lease)."""
@@ -368,6 +371,8 @@ class ChatUI:
     def _open(self, tenant: Tenant, session_id: str, state: ViewState) -> View:
         """The view of `state` with the tenant's session `session_id` open (raises `ChatKVError`)."""
         info = self.manager.session_info(tenant, session_id)
+        if self.prefetcher is not None and info.tier in ("host", "disk"):
+            self.prefetcher.start(tenant, info.id)  # its next message finds the cache warm
         history = self.manager.history(tenant, session_id)
         shown = tuple((m.role, m.text) for m in history if m.role in ("user", "assistant"))
         state = replace(state, session_id=info.id, shown=shown, stats_rows=())

@@ -156,6 +156,23 @@ def test_selecting_a_session_shows_its_history(tiny_manager: SessionManager) -> 
     assert opened.error_line == ""
 
 
+def test_selecting_an_offloaded_session_prefetches_its_cache(tiny_manager: SessionManager) -> None:
+    from app.prefetch import Prefetcher
+
+    prefetcher = Prefetcher(tiny_manager)
+    ui = ChatUI(tiny_manager, local=True, prefetcher=prefetcher)
+    done = _send(ui, ui.on_load(ViewState()).state, "Remember me")[-1]
+    sid = done.state.session_id
+    assert sid is not None
+    tenant = done.state.tenant
+    tiny_manager.evict_session(tenant, sid, "disk")
+    ui.select_session(sid, ui.on_load(ViewState()).state)
+    prefetcher.close()  # waits for the restore under way
+    assert tiny_manager.session_info(tenant, sid).tier == "device"
+    reply = tiny_manager.chat(tenant, sid, "And now?", max_new_tokens=4)
+    assert reply.stats.restored_from == "device"
+
+
 def test_new_session_with_title_and_system_prompt(tiny_manager: SessionManager) -> None:
     ui = ChatUI(tiny_manager, local=True)
     state = ui.on_load(ViewState()).state
