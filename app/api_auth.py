@@ -125,6 +125,8 @@ def api_route_class(manager: SessionManager, limiter: TenantLimiter) -> type[API
                 except (ApiError, ChatKVError, HTTPException, RequestValidationError) as exc:
                     release()
                     return response_for(exc)
+                # Not a blanket catch: any other error (a bug, a cancelled task) gives the tenant's
+                # slot back and propagates unchanged.
                 except BaseException:
                     release()
                     raise

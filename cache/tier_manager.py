@@ -395,6 +395,8 @@ class TierManager:
                 while self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes > self.budgets.device_bytes:
                     if self._evict_one_from_device(None) is None:
                         break
+            # Not a blanket catch: whatever moving a cache down raised, the reservation is undone
+            # (it would otherwise leak for the life of the process) and the error propagates.
             except BaseException:
                 self._reserved_device_bytes -= nbytes
                 raise
