@@ -3,8 +3,8 @@
 Every route needs `Authorization: Bearer <admin token>` (401 otherwise, compared in constant time,
 before the request's body is read). Errors are `{"error": "..."}` with the status of the
 `sessions.errors` type (404 for an unknown tenant, and for a session id of another tenant exactly as
-for a missing one). Routes are plain `def`s because the manager blocks on the model and the disk:
-FastAPI runs them in its threadpool.
+for a missing one; 503 with `Retry-After` while the database cannot be reached). Routes are plain
+`def`s because the manager blocks on the model and the disk: FastAPI runs them in its threadpool.
 
     GET    /admin/tenants                         POST /admin/tenants {"name": ...}
     GET    /admin/tenants/{tenant}                DELETE /admin/tenants/{tenant}
@@ -19,6 +19,7 @@ FastAPI runs them in its threadpool.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -31,8 +32,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from app.admin_ops import AdminOps, Json
+from app.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
 
 UNAUTHORIZED_MESSAGE = "missing or wrong admin token"
 
@@ -67,6 +71,13 @@ def _admin_route_class(expected_token: bytes) -> type[APIRoute]:
                     return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
                 except RequestValidationError as exc:
                     return JSONResponse({"error": _validation_message(exc)}, status_code=422)
+                except DATABASE_ERRORS as exc:
+                    log.warning("the database is unavailable: %s", str(exc.orig or exc).splitlines()[0])
+                    return JSONResponse(
+                        {"error": "the database is unavailable; retry shortly"},
+                        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+                    )
 
             return route
 
@@ -152,6 +163,10 @@ def admin_router(manager: SessionManager, token: str) -> APIRouter:
     @router.get("/stats")
     def stats() -> Json:
         return ops.stats()
+
+    @router.get("/replicas")
+    def replicas() -> Json:
+        return ops.replicas()
 
     @router.post("/keys/rotate-master")
     def rotate_master_key(body: MasterKeyRotation) -> Json:

@@ -113,6 +113,9 @@ class AdminClient:
     def stats(self) -> Json:
         return self._call("GET", "/stats")
 
+    def replicas(self) -> Json:
+        return self._call("GET", "/replicas")
+
     def rotate_master_key(self, new_key: str | None = None) -> Json:
         return self._call("POST", "/keys/rotate-master", json={"new_key": new_key})
 

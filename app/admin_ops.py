@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,8 @@ from storage.database import make_engine, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionDetail, SessionManager
+    from sessions.manager import SessionManager
+    from sessions.session_ops import SessionDetail
 
 TIERS = ("device", "host", "disk")
 """`cache.tiers.Tier`'s values (not imported: `cache` imports torch)."""
@@ -183,6 +185,9 @@ class AdminOps:
             "cache_bytes": detail.cache_bytes,
             "base_tokens": detail.base_tokens,
             "layers": _layer_rows(detail),
+            "owner": detail.owner,
+            "owner_url": detail.owner_url,
+            "redis_copy": detail.shared_copy,
         }
 
     def evict_session(self, tenant: str, session_id: str, to: str) -> Json:
@@ -234,7 +239,7 @@ class AdminOps:
     def _stored_stats(self) -> Json:
         """Tier usage from the database alone: no process holds a cache on the device or in host
         memory, and the disk tier is the `cache_blobs` rows (session caches and shared bases)."""
-        blobs = self.metadata.list_blobs()
+        blobs = self.metadata.list_blobs(location=self.settings.disk_location())
         settings = self.settings
         budgets = {
             "device": settings.device_budget_bytes or 0,
@@ -254,6 +259,35 @@ class AdminOps:
                 for tier in TIERS
             },
             "model": settings.model,
+        }
+
+    def replicas(self) -> Json:
+        """The replicas registered in this database: id, URL, last heartbeat (and its age), sessions
+        owned now, KV-cache bytes held; `alive` while the heartbeat is younger than a lease
+        (`CHATKV_OWNERSHIP_LEASE_S`: a replica silent longer has lost its sessions)."""
+        from storage.replica_store import ReplicaStore
+
+        now = time.time()
+        lease_s = self.settings.ownership_lease_s
+        rows = ReplicaStore(self.metadata.engine).list_replicas(now_unix_s=now)
+        return {
+            "replica_mode": self.settings.replica_mode,
+            "lease_s": lease_s,
+            "replicas": [
+                {
+                    "id": r.id,
+                    "url": r.url,
+                    "hostname": r.hostname,
+                    "pid": r.pid,
+                    "started_at": r.started_at.isoformat(),
+                    "last_heartbeat": r.heartbeat_at.isoformat(),
+                    "heartbeat_age_s": round(max(0.0, now - r.heartbeat_unix_s), 3),
+                    "alive": now - r.heartbeat_unix_s <= lease_s,
+                    "sessions_owned": r.sessions_owned,
+                    "cache_bytes": r.cache_bytes,
+                }
+                for r in rows
+            ],
         }
 
     def rotate_master_key(self, new_key: str | None = None) -> Json:
@@ -323,7 +357,8 @@ class AdminOps:
                 return tier.value if tier else None
 
             return live
-        on_disk = {(b.tenant_id, b.session_id) for b in self.metadata.list_blobs() if b.session_id}
+        rows = self.metadata.list_blobs(location=self.settings.disk_location())
+        on_disk = {(b.tenant_id, b.session_id) for b in rows if b.session_id}
         return lambda tenant_id, session_id: "disk" if (tenant_id, session_id) in on_disk else None
 
 
@@ -390,7 +425,9 @@ def _summary(messages: list[MessageRecord]) -> Json:
 def _layer_rows(detail: SessionDetail) -> list[Json]:
     """The layer table. The system-prompt prefix (`turn_index` null) lives in the tenant's shared
     prefix pool, so it has no tier or bytes of its own; each other layer's `bytes` is its share, by
-    tokens, of the session cache's bytes in its tier (exact for an unquantised device cache)."""
+    tokens, of the session cache's bytes in its tier (exact for an unquantised device cache).
+    `tokens` counts what each KV head holds, `evicted` what the `attention` window policy evicted
+    from the layer (per head); `positions` spans both."""
     own_tokens = sum(span.token_count for span in detail.layers if span.turn_index is not None)
     rows = []
     for span in detail.layers:
@@ -401,6 +438,7 @@ def _layer_rows(detail: SessionDetail) -> list[Json]:
                 "kind": span.kind.value,
                 "turn_index": span.turn_index,
                 "tokens": span.token_count,
+                "evicted": span.evicted_tokens,
                 "positions": [span.position_start, span.position_end],
                 "original_start": span.original_start,
                 "precision": span.precision,

@@ -26,7 +26,7 @@ from fastapi.security import HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.exceptions import HTTPException
 
-from app.api_errors import ApiError, error_response, response_for, unauthorized
+from app.api_errors import DATABASE_ERRORS, ApiError, error_response, response_for, unauthorized
 from app.sse import EventStream
 from cache.ids import TenantId
 from sessions.errors import ChatKVError, TenantNotFound
@@ -105,7 +105,10 @@ def api_route_class(manager: SessionManager, limiter: TenantLimiter) -> type[API
 
             async def route(request: Request) -> Response:
                 # A key's check hashes it (PBKDF2) and reads the database: not on the event loop.
-                tenant = await run_in_threadpool(_tenant_for, manager, request)
+                try:
+                    tenant = await run_in_threadpool(_tenant_for, manager, request)
+                except DATABASE_ERRORS as exc:
+                    return response_for(exc)
                 if tenant is None:
                     return unauthorized()
                 release = limiter.try_acquire(tenant.id)
@@ -122,7 +125,7 @@ def api_route_class(manager: SessionManager, limiter: TenantLimiter) -> type[API
                 except TenantNotFound:  # deleted while the request ran: its key is no longer valid
                     release()
                     return unauthorized()
-                except (ApiError, ChatKVError, HTTPException, RequestValidationError) as exc:
+                except (ApiError, ChatKVError, HTTPException, RequestValidationError, *DATABASE_ERRORS) as exc:
                     release()
                     return response_for(exc)
                 # Not a blanket catch: any other error (a bug, a cancelled task) gives the tenant's

@@ -10,28 +10,57 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
     401     invalid_request_error   invalid_api_key                        missing or wrong bearer key
     404     invalid_request_error   model_not_found / session_not_found    `model`, `SessionNotFound`
     409     invalid_request_error   session_busy                           `SessionBusy`
+    409     invalid_request_error   session_owned_elsewhere                `SessionOwnedElsewhere` (replicas;
+                                                                           `X-ChatKV-Owner-URL` names the owner;
+                                                                           `Retry-After`)
     413     invalid_request_error   request_too_large                      body over the `/v1/` limit
     413     invalid_request_error   context_length_exceeded                `ContextTooLong`
     429     rate_limit_error        rate_limit_exceeded                    the tenant's concurrent requests
+    503     server_error            replica_retired                        `ReplicaRetired` (this process was
+                                                                           replaced under its replica id)
+    503     server_error            database_unavailable                   the database cannot be reached
+                                                                           (`Retry-After`; nothing stored)
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException
 
-from sessions.errors import ChatKVError, ContextTooLong, SessionBusy, SessionNotFound
+from sessions.errors import (
+    ChatKVError,
+    ContextTooLong,
+    ReplicaRetired,
+    SessionBusy,
+    SessionNotFound,
+    SessionOwnedElsewhere,
+)
+
+log = logging.getLogger(__name__)
+
+DATABASE_ERRORS = (OperationalError, InterfaceError)
+"""SQLAlchemy's errors for a database that cannot be reached or dropped the connection (an outage,
+not a bug): answered 503 with `Retry-After`. The turn they interrupt stores nothing."""
+
+DATABASE_RETRY_AFTER_S = 5
 
 UNAUTHORIZED_MESSAGE = "missing or wrong API key: send Authorization: Bearer <your tenant's API key>"
 
+OWNER_URL_HEADER = "X-ChatKV-Owner-URL"
+OWNED_ELSEWHERE_RETRY_AFTER_S = 1
+
 _CODES: dict[type[ChatKVError], str] = {
     SessionNotFound: "session_not_found",
+    SessionOwnedElsewhere: "session_owned_elsewhere",
     SessionBusy: "session_busy",
     ContextTooLong: "context_length_exceeded",
+    ReplicaRetired: "replica_retired",
 }
 
 
@@ -75,11 +104,25 @@ def response_for(exc: Exception) -> JSONResponse:
     """
     if isinstance(exc, ApiError):
         return error_response(exc.status, str(exc), exc.code, param=exc.param)
+    if isinstance(exc, SessionOwnedElsewhere):
+        # The owner is running turns on it; it hands the session over between them.
+        headers = {"Retry-After": str(OWNED_ELSEWHERE_RETRY_AFTER_S)}
+        if exc.owner_url:
+            headers[OWNER_URL_HEADER] = exc.owner_url
+        return error_response(exc.http_status, str(exc), _code(exc), headers=headers)
     if isinstance(exc, ChatKVError):
         return error_response(exc.http_status, str(exc), _code(exc))
     if isinstance(exc, RequestValidationError):
         message, param = validation_message(exc)
         return error_response(400, message, "invalid_request", param=param)
+    if isinstance(exc, DATABASE_ERRORS):
+        log.warning("the database is unavailable: %s", str(exc.orig or exc).splitlines()[0])
+        return error_response(
+            503,
+            "the database is unavailable; retry shortly",
+            "database_unavailable",
+            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+        )
     if isinstance(exc, HTTPException):  # a body that is not UTF-8 JSON, or over the size limit
         code = "request_too_large" if exc.status_code == 413 else "invalid_request"
         return error_response(exc.status_code, str(exc.detail), code, headers=exc.headers)

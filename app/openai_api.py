@@ -34,7 +34,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api_auth import bearer_scheme, tenant_of
-from app.api_errors import ApiError, response_for, unsupported
+from app.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
 from app.api_turns import StartedTurn, TurnParams, Usage, check_message, continue_history, start_turn, usage
 from app.sse import DONE, EventStream, event
 from sessions.errors import ChatKVError, InvalidInput
@@ -360,7 +360,7 @@ def _chunks(turn: StartedTurn, head: dict[str, Any], include_usage: bool) -> Gen
         if include_usage:
             yield event({**head, "choices": [], "usage": usage(turn.reply).model_dump()})
         yield DONE
-    except ChatKVError as exc:  # after the answer started (the session deleted meanwhile, say)
+    except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (the session deleted meanwhile, say)
         yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
     finally:
         turn.close()

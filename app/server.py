@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import re
 import secrets
 import signal
 import socket
@@ -172,14 +173,27 @@ def serve(
         if sockets is None:
             sockets = bind_sockets(host, port)
         with HomeLock(manager.settings.home, url), _sigterm_exits():
+            listening_url = advertised_url(host, port)
+            manager.set_replica_url(listening_url)
             app = build_app(manager, local=local, token=token)
             log.info("chatkv serving %s on %s (admin token %s)", manager.model_name, url, token_source)
+            if manager.replica_id is not None:
+                advertised = manager.settings.replica_url or listening_url
+                log.info("replica %s, reachable at %s (CHATKV_REPLICA_URL)", manager.replica_id, advertised)
+                if re.match(r"https?://(localhost|127\.|\[::1\])", advertised) and host not in _LOOPBACK:
+                    log.warning(
+                        "this replica tells clients of other replicas to come to %s, which only this "
+                        "machine reaches: set CHATKV_REPLICA_URL",
+                        advertised,
+                    )
             server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shut down gracefully
                 server.run(sockets=sockets)
             if not server.started:
                 raise ListenError(f"the server on {url} did not start")
     finally:
+        if app is not None:
+            log.info("chatkv stopping: finishing the turns in flight, then persisting caches")
         for sock in sockets or ():
             sock.close()
         if app is not None and not app.state.chat_ui.wait_for_turns(SHUTDOWN_TURN_WAIT_S):
@@ -187,6 +201,19 @@ def serve(
         if app is not None:
             app.state.prefetcher.close()  # uvicorn has already waited for the /v1/ requests in flight
         manager.close()
+        if app is not None:
+            log.info("chatkv stopped")
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def advertised_url(host: str, port: int) -> str:
+    """The URL other replicas' clients can reach this server at: the listening address, or the
+    machine's host name when it listens on every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @contextlib.contextmanager

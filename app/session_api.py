@@ -25,7 +25,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api_auth import bearer_scheme, tenant_of
-from app.api_errors import response_for
+from app.api_errors import DATABASE_ERRORS, response_for
 from app.api_turns import StartedTurn, TurnParams, Usage, check_message, start_turn, usage
 from app.openai_api import SESSION_HEADER, AssistantMessage
 from app.prefetch import Prefetcher
@@ -205,7 +205,7 @@ def _events(turn: StartedTurn) -> Generator[str, None, None]:
             raise RuntimeError("bug: a streamed turn ended without a reply")
         yield event(_reply(turn.session_id, turn.reply).model_dump())
         yield DONE
-    except ChatKVError as exc:
+    except (ChatKVError, *DATABASE_ERRORS) as exc:
         yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
     finally:
         turn.close()

@@ -11,6 +11,14 @@ For histories of about 1,000, 2,000 and 4,000 tokens (real default model), the T
               else `posix_fadvise(DONTNEED)` on the blob files; the output says which worked, checked
               with mincore). The subprocess loads and warms up the model before the measured turn, as
               a restarted server would before serving;
+- redis:      on another replica: replica A (the chatkv home, in replica mode: its SQLite database
+              shared by path, a Redis KV tier) runs the warm-up turn and stops, which publishes the
+              session's sealed cache and base layer to Redis and releases the session; replica B, a
+              fresh home with nothing local and the same database, master key and Redis, runs the
+              measured turn, restoring from Redis (`--redis-url`, default the local Redis; skipped
+              with a note when none answers);
+- redis cluster: the same through redis-py's cluster client (`--redis-cluster-url`; skipped when
+              not given);
 - re-prefill: the naive backend: `apply_chat_template` over the whole history plus the new message,
               prefilled from scratch with plain `transformers`.
 - floor:      plain `transformers` with the whole history already in a `DynamicCache`: one forward
@@ -26,6 +34,7 @@ decryption throughput (`cryptography` AESGCM) of a buffer of the same size on th
 
     .venv/bin/python benchmarks/resume_ttft.py            # 1,000 / 2,000 / 4,000 tokens, 3 repeats
     .venv/bin/python benchmarks/resume_ttft.py --quick    # 1,000 / 2,000 tokens, 1 repeat
+    .venv/bin/python benchmarks/resume_ttft.py --redis-cluster-url redis://127.0.0.1:7101/0   # + cluster row
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -61,8 +71,10 @@ from _common import (
 )
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from cache.tiers import CacheKey
 from sessions.engine import Engine
 from sessions.records import Reply
+from storage.redis_store import RedisUnavailable, connect_redis
 
 WARM_MESSAGE = "Give the first text a short title."
 NEXT_MESSAGE = "Thank you. Which of these texts did you find the most interesting, and why?"
@@ -135,6 +147,51 @@ def measure_after_restart(engine: Engine, home: Path, args: argparse.Namespace, 
     return result
 
 
+def measure_from_redis(
+    engine: Engine, home: Path, args: argparse.Namespace, built: dict[str, Any], url: str, cluster: bool
+) -> dict:
+    """Replica A on `home` runs the warm-up turn and stops (publishing to Redis); replica B, a fresh
+    home sharing A's database, runs the measured turn from Redis. The keys are removed after."""
+    tenant, session_id = built["tenant"], built["session"]
+    prefix = f"ckvbench-{secrets.token_hex(4)}"
+    shared = {
+        "database_url": f"sqlite:///{home / 'chatkv.db'}",
+        "redis_url": url,
+        "redis_cluster": cluster,
+        "redis_prefix": prefix,
+        "ownership_idle_s": 3600.0,
+    }
+    other = home.parent / f"{home.name}-replica-b"
+    try:
+        with open_manager(home, engine, args.model_cache_dir, replica_id="bench-a", **shared) as manager:
+            warm = manager.chat(tenant, session_id, WARM_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
+        with open_manager(other, engine, args.model_cache_dir, replica_id="bench-b", **shared) as manager:
+            assert manager.shared_store is not None
+            cache_bytes = manager.shared_store.nbytes(CacheKey(tenant, session_id))
+            reply = manager.chat(tenant, session_id, NEXT_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+        client = connect_redis(url, cluster=cluster)
+        keys = list(client.scan_iter(match=f"{prefix}:*"))
+        for key in keys:
+            client.delete(key)
+        client.close()
+    return _result(reply, cache_bytes, warm=warm, page_cache=None)
+
+
+def redis_answers(url: str | None, cluster: bool) -> str | None:
+    """`None` when a Redis answers at `url`, else why the row is skipped."""
+    if url is None:
+        return "no URL given"
+    try:
+        client = connect_redis(url, cluster=cluster)
+        client.ping()
+        client.close()
+    except (RedisUnavailable, OSError, ConnectionError) as exc:
+        return f"{url} does not answer ({exc})"
+    return None
+
+
 def child(args: argparse.Namespace) -> None:
     """The restarted process: load the model, open the home, drop the page cache, run the turn."""
     engine = setup(args)
@@ -181,6 +238,8 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=None, help="history sizes in tokens (default 1000,2000,4000)")
     parser.add_argument("--repeats", type=int, default=None, help="measurements per path (default 3)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis for the redis row")
+    parser.add_argument("--redis-cluster-url", default=None, help="a Redis Cluster node for the redis cluster row")
     parser.add_argument("--child-home", help=argparse.SUPPRESS)
     parser.add_argument("--child-tenant", help=argparse.SUPPRESS)
     parser.add_argument("--child-session", help=argparse.SUPPRESS)
@@ -191,6 +250,12 @@ def main() -> None:
     sizes = [int(s) for s in (args.sizes or ("1000,2000" if args.quick else "1000,2000,4000")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
 
+    redis_paths = {"redis": (args.redis_url, False), "redis cluster": (args.redis_cluster_url, True)}
+    for path, (url, cluster) in list(redis_paths.items()):
+        skipped = redis_answers(url, cluster)
+        if skipped:
+            print(f"  skipping the {path} row: {skipped}")
+            del redis_paths[path]
     engine = setup(args)
     print_header(
         "resume_ttft: next-turn TTFT by cache location vs naive re-prefill",
@@ -199,7 +264,8 @@ def main() -> None:
             f"histories of ~{', '.join(map(str, sizes))} tokens (turns of ~{BUILD_MESSAGE_TOKENS}-token messages); "
             f"next message: {NEXT_MESSAGE!r}; medians of {repeats} run(s)",
             "device = hot; host = evict_session(host) then the turn; disk = fresh process on the same home, page "
-            "cache dropped; re-prefill = apply_chat_template + full prefill with transformers",
+            "cache dropped; redis / redis cluster = another replica (fresh home, same database) restores the "
+            "cache A published; re-prefill = apply_chat_template + full prefill with transformers",
         ],
     )
     rows: list[list[Any]] = []
@@ -210,13 +276,16 @@ def main() -> None:
             started = time.perf_counter()
             built = build_history(engine, base_home, args, size)
             print(f"  built a {built['tokens']}-token history in {time.perf_counter() - started:.0f} s", flush=True)
-            results: dict[str, list[dict]] = {"device": [], "host": [], "disk": []}
+            paths = ["device", "host", "disk", *redis_paths]
+            results: dict[str, list[dict]] = {path: [] for path in paths}
             for r in range(repeats):
-                for path in ("device", "host", "disk"):
-                    home = root / f"{path}{r}"
+                for path in paths:
+                    home = root / f"{path.replace(' ', '-')}{r}"
                     shutil.copytree(base_home, home)
                     if path == "disk":
                         result = measure_after_restart(engine, home, args, built)
+                    elif path in redis_paths:
+                        result = measure_from_redis(engine, home, args, built, *redis_paths[path])
                     else:
                         result = measure_in_process(engine, home, args, built, path)
                     results[path].append(result)
@@ -318,11 +387,9 @@ def main() -> None:
         "session blob plus its base-layer blob, both read and decrypted after the restart"
     )
     for rec in records:
-        paths = rec["paths"]
+        ratios = ", ".join(f"{path} {p['ratio_vs_reprefill']:.1f}x" for path, p in rec["paths"].items())
         print(
-            f"{rec['size']} tokens: floor {rec['naive_ttft_s'] / rec['floor_ttft_s']:.1f}x, "
-            f"device {paths['device']['ratio_vs_reprefill']:.1f}x, host "
-            f"{paths['host']['ratio_vs_reprefill']:.1f}x, disk {paths['disk']['ratio_vs_reprefill']:.1f}x lower "
+            f"{rec['size']} tokens: floor {rec['naive_ttft_s'] / rec['floor_ttft_s']:.1f}x, {ratios} lower "
             f"than re-prefill; replies identical across paths: {'yes' if rec['identical_replies'] else 'NO'}; "
             f"first token = naive's: {'yes' if rec['first_token_matches_naive'] else 'NO'}"
         )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from cache.entries import SessionEntry
 from cache.ids import TenantId
 from cache.prefix_pool import PrefixPool
-from cache.tiers import BlobStore, Tier
+from cache.tiers import LOCAL_TIERS, BlobStore, Tier
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def measure_usage(
 ) -> TierUsage:
     """The usage of every tier: device bytes are the sessions' own tensors plus the pool's base
     layers (a tenant's share counts its own bases); host and disk bytes are what their stores hold."""
-    sizes = {tier: 0 for tier in Tier}
-    counts = {tier: 0 for tier in Tier}
+    sizes = {tier: 0 for tier in LOCAL_TIERS}
+    counts = {tier: 0 for tier in LOCAL_TIERS}
     by_tenant: dict[TenantId, int] = {}
     for entry in entries:
         if entry.tier is not None:

@@ -25,6 +25,8 @@ class SessionEntry:
     leased: bool = False
     version: int = 0
     persisted_version: int | None = None
+    shared_version: int | None = None
+    """The version the shared tier (Redis) holds a copy of, if any (`cache/shared_tier.py`)."""
     base_key: PrefixKey | None = None
     """The shared base the cache references, kept while it is offloaded (its blob stays needed)."""
 

@@ -45,7 +45,8 @@ class Restorer:
     Args:
         pool: the shared base layers; a base found in a blob or built is put there.
         sealer: opens the blobs.
-        stores: the blob store of each lower tier (host, disk).
+        stores: the blob store of each lower tier (host, disk, and the shared tier if any), in
+            the order a base layer is looked for.
         events: told of each base blob that was rejected.
         base_builder: recomputes a missing base layer by prefill.
     """
@@ -98,8 +99,7 @@ class Restorer:
         if base is not None:
             return base, "pool"
         blob_key = CacheKey.for_base(tenant_id, key)
-        for tier in (Tier.HOST, Tier.DISK):
-            store = self._stores[tier]
+        for tier, store in self._stores.items():
             if not store.contains(blob_key):
                 continue
             try:

@@ -8,6 +8,11 @@ unpinned turn layers are quantised (`cache.quantization`) except the most recent
 Tensor names, per model layer `l`:
     k.{l} / v.{l}                      exact tokens `[1, kv_heads, n_exact, head_dim]`
     kq.{l}.codes|scale|zero / vq.{l}.* quantised tokens (see `Quantized`)
+    idx.{l}                            int32 `[kv_heads, own_tokens]`: the stream index each head
+                                       holds, once tokens were evicted (`own_stream_index`)
+
+Format versions: 2 added `idx.{l}` and each layer's `evicted_tokens`; version-1 blobs (no
+evictions) still decode.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from cache.ids import PrefixKey
 from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -82,6 +88,8 @@ def session_cache_to_tensors(
                 tensors[f"{name}q.{index}.scale"] = q.scale.contiguous()
                 if q.zero is not None:
                     tensors[f"{name}q.{index}.zero"] = q.zero.contiguous()
+    for index, stream in enumerate(cache.own_stream_index or ()):
+        tensors[f"idx.{index}"] = stream.to("cpu", torch.int32).contiguous()
     lossy_ranges = _ranges(mask)
     layers = [_mark_precision(span, lossy_ranges, precision) for span in _own_spans_with_offsets(cache.layers)]
     header = {
@@ -133,11 +141,13 @@ def session_cache_from_tensors(
 def _session_cache_from_tensors(
     tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device
 ) -> SessionCache:
-    if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "session":
+    if header.get("format_version") not in READABLE_VERSIONS or header.get("kind") != "session":
         raise MalformedCache(f"unsupported cache format {header.get('format_version')!r}/{header.get('kind')!r}")
     dtype = _DTYPES[header["dtype"]]
     own_ids = tuple(int(i) for i in header["own_token_ids"])
-    mask = torch.zeros(len(own_ids), dtype=torch.bool)
+    layers = tuple(LayerSpan.from_json(span) for span in header["layers"])
+    held = sum(span.token_count for span in layers)
+    mask = torch.zeros(held, dtype=torch.bool)
     for start, end in header["lossy_ranges"]:
         mask[start:end] = True
     any_lossy = bool(mask.any())
@@ -148,7 +158,7 @@ def _session_cache_from_tensors(
             exact = tensors[f"{name}.{index}"]
             full = exact  # an exact cache needs no scatter: the decoded tensor is used as is
             if any_lossy:
-                full = exact.new_empty((*exact.shape[:2], len(own_ids), exact.shape[3]))
+                full = exact.new_empty((*exact.shape[:2], held, exact.shape[3]))
                 full[:, :, ~mask] = exact
                 shape = (*exact.shape[:2], int(mask.sum()), exact.shape[3])
                 zero = tensors.get(f"{name}q.{index}.zero")
@@ -158,6 +168,9 @@ def _session_cache_from_tensors(
             if full.dtype != dtype:
                 raise MalformedCache(f"tensor {name}.{index} is {full.dtype}, header says {dtype}")
             out.append(full.to(device))
+    stream_index = None
+    if "idx.0" in tensors:
+        stream_index = tuple(tensors[f"idx.{i}"].to(torch.long) for i in range(len(keys)))
     base_key = header.get("base_key")
     return SessionCache(
         base_key=PrefixKey(base_key) if base_key else None,
@@ -165,9 +178,10 @@ def _session_cache_from_tensors(
         own_keys=tuple(keys),
         own_values=tuple(values),
         own_token_ids=own_ids,
-        layers=tuple(LayerSpan.from_json(span) for span in header["layers"]),
+        layers=layers,
         transcript_digest=str(header.get("transcript_digest", "")),
         rendering_digest=str(header.get("rendering_digest", "")),
+        own_stream_index=stream_index,
     )
 
 
@@ -192,7 +206,7 @@ def base_layer_from_tensors(
 ) -> BaseLayer:
     """Raises `MalformedCache` if the tensors do not match the header."""
     try:
-        if header.get("format_version") != FORMAT_VERSION or header.get("kind") != "base":
+        if header.get("format_version") not in READABLE_VERSIONS or header.get("kind") != "base":
             raise MalformedCache(f"unsupported base format {header.get('format_version')!r}")
         count = int(header["num_model_layers"])
         ids = tuple(int(i) for i in header["base_token_ids"])

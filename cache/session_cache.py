@@ -11,6 +11,11 @@ A session cache is a run of cached tokens split into layers (not model layers):
   `pin` belong to the base layer as well; they keep their place in the stream but are never demoted.
 - **Turn layers** (one per turn) are the session's own tensors. Demotion drops them out of the
   window; the kept tokens after the gap are re-rotated so positions stay contiguous (`cache.rope`).
+  Under the `attention` window policy (`cache.token_eviction`) a turn layer may instead hold only
+  some of its tokens, a different set per KV head and model layer: `LayerSpan.evicted_tokens`
+  counts the tokens it lost (per head), `SessionCache.own_stream_index` records which ones each
+  head holds, and kept keys keep their RoPE positions, so the next token's position
+  (`next_position`) is then past the cached length.
 
 Storage shapes, per model layer `l`: the shared base holds `[1, kv_heads, base_tokens, head_dim]`;
 the session's own tokens (pinned turns and turn layers, in order) are one tensor pair
@@ -22,7 +27,7 @@ into tensors another holder may see (the base is shared, and write-back reads ol
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -50,6 +55,9 @@ class LayerSpan:
             unless the window had already been compacted then.
         position_start: current RoPE position of its first token (layers are contiguous).
         precision: `exact`, or the lossy precision (`int8`/`int4`) it was stored at in a lower tier.
+        evicted_tokens: tokens of the layer evicted by importance (the `attention` window policy),
+            the same count in every KV head and model layer; `token_count` counts the ones held.
+            The layer still spans `original_tokens` stream indices and RoPE positions.
     """
 
     kind: LayerKind
@@ -58,14 +66,20 @@ class LayerSpan:
     original_start: int
     position_start: int
     precision: str = "exact"
+    evicted_tokens: int = 0
 
     @property
     def pinned(self) -> bool:
         return self.kind is LayerKind.BASE
 
     @property
+    def original_tokens(self) -> int:
+        """Tokens the layer covers in the conversation stream: held plus evicted."""
+        return self.token_count + self.evicted_tokens
+
+    @property
     def position_end(self) -> int:
-        return self.position_start + self.token_count
+        return self.position_start + self.original_tokens
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,6 +89,7 @@ class LayerSpan:
             "original_start": self.original_start,
             "position_start": self.position_start,
             "precision": self.precision,
+            "evicted_tokens": self.evicted_tokens,
         }
 
     @classmethod
@@ -87,6 +102,7 @@ class LayerSpan:
             original_start=int(str(data["original_start"])),
             position_start=int(str(data["position_start"])),
             precision=str(data.get("precision", "exact")),
+            evicted_tokens=int(str(data.get("evicted_tokens", 0))),
         )
 
 
@@ -121,8 +137,13 @@ class SessionCache:
         base_key / base_token_ids: identity of the base even while `base` is not attached
             (an offloaded cache stores the reference, not the tensors).
         own_keys, own_values: per model layer, `[1, kv_heads, own_tokens, head_dim]`.
-        own_token_ids: ids of the own tokens, in cache order.
+        own_token_ids: stream ids the own layers cover, in order: the ids of the held tokens, plus
+            those of evicted tokens (`LayerSpan.evicted_tokens`), so a layer can be re-prefilled.
         layers: layer table of the own tokens (pinned turns and turn layers), in cache order.
+        own_stream_index: `None` while no token was evicted (cache slot `i` of a layer holds its
+            token `i`); else per model layer a `[kv_heads, own_tokens]` int64 tensor (on the CPU)
+            of the conversation-stream index of the token each head holds in each slot, ascending
+            within each layer.
     """
 
     base_key: PrefixKey | None
@@ -139,15 +160,19 @@ class SessionCache:
     """Digest of the chat template's text of the conversation through the last reply's content
     (see `sessions.chat_template`); a cache whose text renders differently now (a date in the
     system turn, another template) is not reused. Empty: unknown, never reused."""
+    own_stream_index: tuple[torch.Tensor, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if sum(span.token_count for span in self.layers) != len(self.own_token_ids):
+        if sum(span.original_tokens for span in self.layers) != len(self.own_token_ids):
             raise RuntimeError(
-                f"bug: layer table covers {sum(s.token_count for s in self.layers)} tokens, "
-                f"own tokens are {len(self.own_token_ids)}"
+                f"bug: layer table covers {sum(s.original_tokens for s in self.layers)} tokens, "
+                f"own token ids are {len(self.own_token_ids)}"
             )
-        if self.own_keys and self.own_keys[0].shape[-2] != len(self.own_token_ids):
-            raise RuntimeError(f"bug: own keys hold {self.own_keys[0].shape[-2]} tokens, ids {len(self.own_token_ids)}")
+        held = sum(span.token_count for span in self.layers)
+        if self.own_keys and self.own_keys[0].shape[-2] != held:
+            raise RuntimeError(f"bug: own keys hold {self.own_keys[0].shape[-2]} tokens, the layer table {held}")
+        if self.own_stream_index is not None and any(t.shape[-1] != held for t in self.own_stream_index):
+            raise RuntimeError(f"bug: stream index does not cover the {held} held tokens")
         if self.base is not None and self.base.key != self.base_key:
             raise RuntimeError(f"bug: attached base {self.base.key} is not {self.base_key}")
 
@@ -159,7 +184,21 @@ class SessionCache:
 
     @property
     def own_tokens(self) -> int:
-        return len(self.own_token_ids)
+        """Own tokens held per KV head (evicted ones not counted)."""
+        return sum(span.token_count for span in self.layers)
+
+    @property
+    def evicted_tokens(self) -> int:
+        """Tokens evicted by importance from the layers still in the table, per KV head."""
+        return sum(span.evicted_tokens for span in self.layers)
+
+    @property
+    def next_position(self) -> int:
+        """RoPE position of the next token fed: the cached length unless tokens were evicted with
+        their positions kept (then larger)."""
+        if self.layers:
+            return self.layers[-1].position_end
+        return self.base_tokens
 
     @property
     def total_tokens(self) -> int:
@@ -168,6 +207,7 @@ class SessionCache:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
+        """Stream ids the cache covers (evicted tokens included)."""
         return self.base_token_ids + self.own_token_ids
 
     @property
@@ -180,7 +220,7 @@ class SessionCache:
         """Conversation-stream index just after the last cached token."""
         if self.layers:
             last = self.layers[-1]
-            return last.original_start + last.token_count
+            return last.original_start + last.original_tokens
         return self.base_tokens
 
     def full_layer_table(self) -> list[LayerSpan]:
@@ -224,10 +264,11 @@ class SessionCache:
         if self.base_tokens and self.base is None:
             raise RuntimeError(f"bug: base {self.base_key} must be attached before the turn runs")
         layers = []
+        offset = self.next_position - self.total_tokens
         for index, (own_k, own_v) in enumerate(zip(self.own_keys, self.own_values, strict=True)):
             parts_k = [own_k] if self.base is None else [self.base.keys[index], own_k]
             parts_v = [own_v] if self.base is None else [self.base.values[index], own_v]
-            layers.append(PreallocatedLayer.from_parts(parts_k, parts_v, extra_tokens))
+            layers.append(PreallocatedLayer.from_parts(parts_k, parts_v, extra_tokens, position_offset=offset))
         return WorkingCache(layers)
 
     def after_turn(
@@ -253,12 +294,19 @@ class SessionCache:
         own_keys = tuple(layer.filled_keys[:, :, self.base_tokens :].clone() for layer in working.prealloc_layers)
         own_values = tuple(layer.filled_values[:, :, self.base_tokens :].clone() for layer in working.prealloc_layers)
         kept = _spans_before(self.layers, spans)
+        stream_index = None
+        if self.own_stream_index is not None:
+            new = _appended_stream_index(self.layers, spans, len(appended_token_ids))
+            stream_index = tuple(
+                torch.cat([index, new.expand(index.shape[0], -1)], dim=-1) for index in self.own_stream_index
+            )
         return replace(
             self,
             own_keys=own_keys,
             own_values=own_values,
             own_token_ids=self.own_token_ids + tuple(appended_token_ids),
             layers=(*kept, *spans),
+            own_stream_index=stream_index,
             transcript_digest=self.transcript_digest if transcript_digest is None else transcript_digest,
             rendering_digest=self.rendering_digest if rendering_digest is None else rendering_digest,
         )
@@ -266,6 +314,39 @@ class SessionCache:
     def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:
         """Same tensors with an edited layer table (pinning, precision marks)."""
         return replace(self, layers=tuple(layers))
+
+
+def span_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int, int]]:
+    """(span, offset of its held tokens in the own tensors, offset of its ids in `own_token_ids`)."""
+    out, held, ids = [], 0, 0
+    for span in layers:
+        out.append((span, held, ids))
+        held += span.token_count
+        ids += span.original_tokens
+    return out
+
+
+def stream_index_of(layers: Sequence[LayerSpan]) -> torch.Tensor:
+    """`[own_tokens]` int64 stream index of each held token of a table without evictions."""
+    if any(span.evicted_tokens for span in layers):
+        raise RuntimeError("bug: a table with evicted tokens needs its recorded stream index")
+    parts = [torch.arange(s.original_start, s.original_start + s.token_count) for s in layers]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _appended_stream_index(existing: Sequence[LayerSpan], new: Sequence[LayerSpan], appended: int) -> torch.Tensor:
+    """Stream index of the `appended` tokens a turn added (they extend the last layer, then fill
+    new ones, never with evictions)."""
+    before = {span.original_start: span for span in existing}
+    parts = []
+    for span in new:
+        old = before.get(span.original_start)
+        start = span.original_start + (old.original_tokens if old is not None else 0)
+        parts.append(torch.arange(start, span.original_start + span.original_tokens))
+    index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    if index.numel() != appended:
+        raise RuntimeError(f"bug: the new layers cover {index.numel()} tokens, {appended} were appended")
+    return index
 
 
 def _spans_before(existing: Sequence[LayerSpan], new: Sequence[LayerSpan]) -> list[LayerSpan]:
@@ -283,18 +364,31 @@ class PreallocatedLayer(DynamicLayer):
     like gpt-fast's preallocated KV cache. It grows by doubling if a turn runs past `capacity`.
     """
 
-    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+    def __init__(
+        self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int, position_offset: int = 0
+    ) -> None:
         super().__init__()
         self._key_buffer = key_buffer
         self._value_buffer = value_buffer
         self._length = length
+        self.position_offset = position_offset
+        """RoPE position of the next token minus the filled length (tokens evicted with their
+        positions kept, see `SessionCache.next_position`)."""
+        self.query_observer: Callable[[torch.Tensor, float | None], None] | None = None
+        """Called by the packed attention with each chunk's query states `[1, heads, n, head_dim]`
+        (after RoPE) and the attention scaling; the window policy's scoring sets it
+        (`cache.attention_scores`)."""
         self.device = key_buffer.device
         self.is_initialized = True
         self._refresh_views()
 
     @classmethod
     def from_parts(
-        cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], extra_tokens: int
+        cls,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        extra_tokens: int,
+        position_offset: int = 0,
     ) -> PreallocatedLayer:
         length = sum(k.shape[-2] for k in keys)
         first = keys[0]
@@ -307,7 +401,7 @@ class PreallocatedLayer(DynamicLayer):
             key_buffer[:, :, offset : offset + n].copy_(k)
             value_buffer[:, :, offset : offset + n].copy_(v)
             offset += n
-        return cls(key_buffer, value_buffer, length)
+        return cls(key_buffer, value_buffer, length, position_offset)
 
     def _refresh_views(self) -> None:
         self.keys = self._key_buffer[:, :, : self._length]
@@ -349,6 +443,11 @@ class PreallocatedLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self._length
+
+    @property
+    def next_position(self) -> int:
+        """RoPE position of the next token written."""
+        return self._length + self.position_offset
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:

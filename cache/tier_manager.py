@@ -12,9 +12,14 @@ sessions first, so it cannot push other tenants' sessions off the device beyond 
 
 `TierManager` is the front object and the one owner of the per-session `SessionEntry` records,
 under one lock. Behind it: `Lease` (cache/lease.py) is a turn's handle; `Restorer`
-(cache/restore.py) opens stored caches and finds base layers; `WriteBack` (cache/write_back.py) is
+(cache/restore.py) opens stored caches and finds base layers; `TierMoves` (cache/tier_moves.py,
+its base class) enforces the budgets by moving caches down; `WriteBack` (cache/write_back.py) is
 the background writer; cache/entries.py picks the least recently used entries and cache/budgets.py
 measures the tiers against their budgets.
+
+Replicas add a shared tier (Redis, `cache/shared_tier.py`): not a placement but a copy beside it.
+Each write-back also publishes the new version there, `publish` does so before a replica hands a
+session over, and a session with no local copy is restored from it (`Restored.source` = `redis`).
 
 Write-back (`write_back=True`): after a turn the new cache is sealed and written to disk by a
 background thread, so moving a persisted session from host to disk is instant and a crash loses
@@ -37,13 +42,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from cache.budgets import TierBudgets, TierUsage, measure_usage
-from cache.entries import SessionEntry, idle_lru, oldest_disk_blob
+from cache.budgets import TierBudgets
+from cache.entries import SessionEntry
 from cache.ids import PrefixKey, TenantId
 from cache.lease import Lease
 from cache.prefix_pool import PrefixPool
 from cache.restore import BaseBuilder, Restored, Restorer
 from cache.session_cache import BaseLayer, SessionCache
+from cache.shared_tier import SharedTier
+from cache.tier_moves import TierMoves
 from cache.tiers import (
     BlobMissing,
     BlobRejected,
@@ -51,7 +58,7 @@ from cache.tiers import (
     CacheKey,
     CacheSealer,
     NoEvents,
-    SealFailed,
+    SharedBlobStore,
     Tier,
     TierEvents,
 )
@@ -59,12 +66,14 @@ from cache.write_back import WriteBack
 
 log = logging.getLogger(__name__)
 
+PUBLISH_LOCK_STRIPES = 64
+
 
 class LeaseHeld(Exception):
     """The session already has a turn in flight."""
 
 
-class TierManager:
+class TierManager(TierMoves):
     """See the module docstring. Thread-safe; one instance per process.
 
     Args:
@@ -90,6 +99,8 @@ class TierManager:
         events: TierEvents | None = None,
         write_back_settle_s: float | None = None,
         write_back_max_defer_s: float | None = None,
+        shared: SharedBlobStore | None = None,
+        may_publish: Callable[[CacheKey], bool] | None = None,
     ) -> None:
         self.pool = pool
         self.budgets = budgets
@@ -101,8 +112,11 @@ class TierManager:
         self._base_used: dict[CacheKey, int] = {}
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
+        self._may_publish = may_publish or (lambda key: True)
+        self._shared = SharedTier(store=shared, sealer=sealer, pool=pool, local_disk=disk) if shared else None
+        restore_from = {**self._stores, Tier.REDIS: shared} if shared else self._stores
         self._restorer = Restorer(
-            pool=pool, sealer=sealer, stores=self._stores, events=self._events, base_builder=base_builder
+            pool=pool, sealer=sealer, stores=restore_from, events=self._events, base_builder=base_builder
         )
         self._writer = WriteBack(
             lock=self._lock,
@@ -113,6 +127,10 @@ class TierManager:
             max_defer_s=write_back_max_defer_s,
         )
         self._reserved_device_bytes = 0
+        # Publishes of one session run one at a time, each re-checking under its lock that its
+        # version is still the one to publish: otherwise a slow write-back could overwrite the
+        # shared copy of a newer version (a hand-over's) with its older one. Striped: bounded.
+        self._publish_locks = [threading.Lock() for _ in range(PUBLISH_LOCK_STRIPES)]
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -168,6 +186,8 @@ class TierManager:
         started = time.perf_counter()
         with self._lock:
             tier, cache = entry.tier, entry.cache
+        if tier is None and self._shared is not None and self._shared.contains(entry.key):
+            tier = Tier.REDIS
         if tier is None:
             return Restored(None, None, 0.0)
         if tier is Tier.DEVICE:
@@ -180,13 +200,17 @@ class TierManager:
             log.warning("discarding the %s cache of session %s: %s", tier, entry.key.name, exc)
             self._events.rejected(tier)
             with self._lock:
-                self._drop_blobs(entry)
+                self._drop_blobs(entry, shared=tier is Tier.REDIS)
                 entry.tier, entry.cache, entry.nbytes = None, None, 0
+            if tier is Tier.REDIS:
+                self._delete_shared(entry.key)
             return Restored(None, None, time.perf_counter() - started, rejected=True)
         with self._lock:
             if tier is Tier.HOST:
                 self._stores[Tier.HOST].delete(entry.key)
             self._place_on_device(entry, cache)
+            if tier is Tier.REDIS:
+                entry.shared_version = entry.version
         seconds = time.perf_counter() - started
         self._events.restored(tier, seconds)
         return Restored(cache, tier, seconds, base_prefill_tokens=base_prefill)
@@ -213,9 +237,12 @@ class TierManager:
             return self.pool.put(entry.key.tenant_id, base)
 
     def discard_lease(self, entry: SessionEntry) -> None:
-        """Drop whatever is stored for the leased session (see `Lease.discard`)."""
+        """Drop whatever is stored for the leased session, the shared copy included (see
+        `Lease.discard`)."""
         with self._lock:
             self._release_entry(entry)
+            self._drop_blobs(entry, shared=True)
+        self._delete_shared(entry.key)
 
     # -- base layers -----------------------------------------------------------------------------
 
@@ -249,10 +276,22 @@ class TierManager:
         self._drop_blobs(entry)
         entry.tier, entry.cache, entry.nbytes = None, None, 0
 
-    def _drop_blobs(self, entry: SessionEntry) -> None:
+    def _drop_blobs(self, entry: SessionEntry, shared: bool = False) -> None:
+        """Under the lock: delete the entry's local blobs; with `shared`, mark its shared copy as
+        not of any version (it no longer matches the transcript; a budget drop keeps it). The
+        caller deletes that copy with `_delete_shared` after letting go of the lock."""
         for store in self._stores.values():
             store.delete(entry.key)
         entry.persisted_version = None
+        if shared:
+            entry.shared_version = None
+
+    def _delete_shared(self, key: CacheKey) -> None:
+        """Delete the shared copy, outside the lock: Redis may take its timeout to answer, and
+        other sessions' turns must not wait for it. The session is leased (no newer version can
+        be published meanwhile), or forgotten."""
+        if self._shared is not None:
+            self._shared.delete(key)
 
     # -- explicit moves ------------------------------------------------------------------------
 
@@ -282,10 +321,12 @@ class TierManager:
         with self._lock:
             entry = self._entries.get(key)
             tier = entry.tier if entry else None
-        if tier not in (Tier.HOST, Tier.DISK):
+        if tier is None and self.has_shared_copy(key):
+            tier = Tier.REDIS
+        if tier not in (Tier.HOST, Tier.DISK, Tier.REDIS):
             return None
         try:
-            blob = self._stores[tier].get(key)
+            blob = self._shared.store.get(key) if tier is Tier.REDIS and self._shared else self._stores[tier].get(key)
         except BlobMissing:
             return None
         return self._sealer.open_session(key, blob)
@@ -324,6 +365,69 @@ class TierManager:
             elif entry is None:
                 for store in self._stores.values():
                     store.delete(key)
+        self._delete_shared(key)
+
+    def forget_local(self, key: CacheKey) -> None:
+        """Drop this process's copies of a session's cache and keep the shared one: another
+        replica ran turns on it since, so they are stale.
+
+        Raises:
+            LeaseHeld: if a turn is in flight on the session here (a bug: a replica takes a
+                session over before it leases it).
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.leased:
+                raise LeaseHeld(key.name)
+            self._entries.pop(key, None)
+            self._writer.cancel(key)
+            if entry is not None:
+                self._release_entry(entry)
+            else:
+                for store in self._stores.values():
+                    store.delete(key)
+
+    def publish(self, key: CacheKey) -> bool:
+        """Make the shared tier hold the session's current version (before a replica hands the
+        session over). Returns whether it does; `False` without a shared tier, without a local
+        copy, or when the shared store cannot be reached."""
+        if self._shared is None:
+            return False
+        # Redis is asked outside the tier lock (see `_delete_shared`); the publish lock keeps the
+        # entry's version from being published by another thread meanwhile.
+        with self._publishing(key):
+            with self._lock:
+                entry = self._entries.get(key)
+                current = entry is not None and entry.tier is not None and entry.shared_version == entry.version
+            if entry is None or entry.tier is None or current:
+                if self._shared.contains(key):
+                    return True
+                if entry is None or entry.tier is None:
+                    return False
+            with self._lock:
+                if self._entries.get(key) is not entry or entry.tier is None:
+                    return False  # forgotten, or dropped for space, meanwhile
+                version, cache, base_key = entry.version, entry.cache, entry.base_key
+                blob = None if entry.tier is Tier.DEVICE else self._stores[entry.tier].get(key)
+            return self._published(entry, version, self._shared.publish(key, blob, cache, base_key))
+
+    def _publishing(self, key: CacheKey) -> threading.Lock:
+        return self._publish_locks[hash(key) % PUBLISH_LOCK_STRIPES]
+
+    def _published(self, entry: SessionEntry, version: int, stored: bool) -> bool:
+        """Record a publish of `version`. An entry forgotten meanwhile keeps the shared copy: it
+        was forgotten here because another replica moved the session on (a deleted session's
+        copy is removed by `forget`, and the store refuses a blob whose session is gone)."""
+        with self._lock:
+            if self._entries.get(entry.key) is not entry:
+                return False
+            if stored and entry.version == version:
+                entry.shared_version = version
+            return stored and entry.shared_version == version
+
+    def has_shared_copy(self, key: CacheKey) -> bool:
+        """Whether the shared tier holds a copy of the session's cache (any version)."""
+        return self._shared is not None and self._shared.contains(key)
 
     def forget_tenant(self, tenant_id: TenantId) -> None:
         """Delete every cache and base layer of a tenant."""
@@ -337,188 +441,8 @@ class TierManager:
                         log.debug("removed %s blob %s", tier, key.name)
             self._base_used = {k: v for k, v in self._base_used.items() if k.tenant_id != tenant_id}
             self.pool.drop_tenant(tenant_id)
-
-    # -- budgets -------------------------------------------------------------------------------
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return measure_usage(
-                self._entries.values(), self.pool, self._stores, self.budgets, self._reserved_device_bytes
-            )
-
-    def enforce_budgets(self) -> None:
-        """Move least-recently-used idle caches down until every tier is within budget."""
-        with self._lock:
-            for tenant, used in self.usage().device_bytes_by_tenant.items():
-                while used > self.budgets.tenant_device_quota_bytes:
-                    freed = self._evict_one_from_device(tenant)
-                    if freed is None:
-                        break
-                    used -= freed
-            while self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes > self.budgets.device_bytes:
-                if self._evict_one_from_device(None) is None:
-                    break
-            while self.usage().bytes[Tier.HOST] > self.budgets.host_bytes:
-                if not self._move_lru(Tier.HOST):
-                    break
-            self._enforce_disk_budget()
-
-    def wait_for_leases(self, timeout_s: float) -> bool:
-        """Wait until no session is leased (every turn let go), at most `timeout_s` seconds.
-        Returns whether none is."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                if not any(entry.leased for entry in self._entries.values()):
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-
-    def reserve_device_bytes(self, nbytes: int, *, force: bool) -> bool:
-        """Reserve device bytes for a request's working KV buffer (the engine loop's admission),
-        moving idle caches down first. Returns `False`, reserving nothing, when even then the
-        device budget would be exceeded, unless `force` (a request that runs alone).
-
-        Raises:
-            ValueError: if `nbytes` is negative.
-            SealFailed, OSError: from moving a cache down; nothing is reserved then.
-        """
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        with self._lock:
-            self._reserved_device_bytes += nbytes
-            try:
-                # The device tier only: moving idle caches to the host seals them in memory, while
-                # the host and disk budgets (disk writes) are enforced when a lease ends, on the
-                # turn's own thread, not on the engine loop's.
-                while self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes > self.budgets.device_bytes:
-                    if self._evict_one_from_device(None) is None:
-                        break
-            # Not a blanket catch: whatever moving a cache down raised, the reservation is undone
-            # (it would otherwise leak for the life of the process) and the error propagates.
-            except BaseException:
-                self._reserved_device_bytes -= nbytes
-                raise
-            if force or self.usage().bytes[Tier.DEVICE] + self._reserved_device_bytes <= self.budgets.device_bytes:
-                return True
-            self._reserved_device_bytes -= nbytes
-            return False
-
-    def release_device_bytes(self, nbytes: int) -> None:
-        """Give back a reservation of `reserve_device_bytes` (the request finished or was cancelled)."""
-        with self._lock:
-            self._reserved_device_bytes = max(0, self._reserved_device_bytes - nbytes)
-            self._writer.wake()
-
-    def _enforce_disk_budget(self) -> None:
-        """Under the lock: drop the oldest disk blobs until the disk tier is within budget."""
-        while self._stores[Tier.DISK].used_bytes() > self.budgets.disk_bytes:
-            if not self._drop_lru_disk_blob():
-                break
-
-    def _evict_one_from_device(self, tenant: TenantId | None) -> int | None:
-        """Free device bytes: first a base layer no device session uses (it is persisted and
-        cheap to reload), else the least recently used idle session. Returns bytes freed."""
-        bases = [(k, t, n) for k, t, n in self.pool.unreferenced() if tenant in (None, t)]
-        if bases:
-            key, owner, nbytes = bases[0]
-            self._persist_base(owner, key)
-            self.pool.remove(key)
-            self._events.moved(Tier.DEVICE, Tier.DISK, nbytes)
-            return nbytes
-        sessions = idle_lru(self._entries.values(), Tier.DEVICE, tenant)
-        if not sessions:
-            return None
-        freed = sessions[0].nbytes
-        self._move_down(sessions[0], drop=False)
-        return freed
-
-    def _move_lru(self, tier: Tier) -> bool:
-        idle = idle_lru(self._entries.values(), tier)
-        if not idle:
-            return False
-        self._move_down(idle[0], drop=False)
-        return True
-
-    def _move_down(self, entry: SessionEntry, drop: bool, skip_host: bool = True) -> None:
-        """Under the lock: move one tier down (device -> host -> disk -> dropped). A device cache
-        whose current version the write-back already stored goes straight to disk unless
-        `skip_host` is off (an operator asked for the host tier)."""
-        source = entry.tier
-        if source is Tier.DEVICE:
-            if entry.cache is None:
-                raise RuntimeError("bug: a device entry without its cache")
-            cache = entry.cache
-            disk = self._stores[Tier.DISK]
-            persisted = entry.persisted_version == entry.version and disk.contains(entry.key)
-            if not drop and skip_host and persisted:
-                # Write-back already stored this version: eviction is instant, straight to disk.
-                if cache.base_key is not None:
-                    self.pool.release(cache.base_key)
-                entry.tier, entry.cache, entry.nbytes = Tier.DISK, None, disk.nbytes(entry.key)
-                self._events.moved(source, entry.tier, entry.nbytes)
-                return
-            blob = None if drop else self._seal_or_none(entry.key, cache)
-            if blob is None:
-                self._release_entry(entry)
-            else:
-                if cache.base_key is not None:
-                    self._persist_base(entry.key.tenant_id, cache.base_key)
-                    self.pool.release(cache.base_key)
-                self._stores[Tier.HOST].put(entry.key, blob)
-                entry.tier, entry.cache, entry.nbytes = Tier.HOST, None, len(blob)
-        elif source is Tier.HOST:
-            host, disk = self._stores[Tier.HOST], self._stores[Tier.DISK]
-            if entry.persisted_version != entry.version or not disk.contains(entry.key):
-                disk.put(entry.key, host.get(entry.key))
-                entry.persisted_version = entry.version
-            host.delete(entry.key)
-            entry.tier, entry.nbytes = Tier.DISK, disk.nbytes(entry.key)
-        elif source is Tier.DISK:
-            self._release_entry(entry)
-        if source is not None:
-            self._events.moved(source, entry.tier, entry.nbytes)
-
-    def _seal_or_none(
-        self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None
-    ) -> bytes | None:
-        try:
-            return self._sealer.seal_session(key, cache, pause)
-        except SealFailed as exc:
-            log.warning("dropping the cache of session %s instead of storing it: %s", key.name, exc)
-            return None
-
-    def _persist_base(self, tenant_id: TenantId, key: PrefixKey) -> None:
-        blob_key = CacheKey.for_base(tenant_id, key)
-        self._base_used[blob_key] = next(self._clock)
-        disk = self._stores[Tier.DISK]
-        if disk.contains(blob_key):
-            return
-        base = self.pool.get(key)
-        if base is None:
-            return
-        try:
-            disk.put(blob_key, self._sealer.seal_base(blob_key, base))
-        except SealFailed as exc:
-            log.warning("base layer %s not stored (it is rebuilt when needed): %s", key, exc)
-
-    def _drop_lru_disk_blob(self) -> bool:
-        """Drop the oldest disk blob (see `oldest_disk_blob`). Returns `False` if there is none."""
-        disk = self._stores[Tier.DISK]
-        key = oldest_disk_blob(self._entries, disk.keys(), self._base_used)
-        if key is None:
-            return False
-        entry = self._entries.get(key)
-        if entry is not None and entry.tier is Tier.DISK:
-            self._move_down(entry, drop=True)
-        else:
-            disk.delete(key)
-            if entry is not None:
-                entry.persisted_version = None
-            self._base_used.pop(key, None)
-            self._events.moved(Tier.DISK, None, 0)
-        return True
+            if self._shared is not None:
+                self._shared.delete_tenant(tenant_id)
 
     # -- write-back: `WriteBack` runs the jobs and yields to turns; what to write is decided here --
 
@@ -558,6 +482,15 @@ class TierManager:
                 self._persist_base(key.tenant_id, cache.base_key)
             # Write-back adds disk bytes between turns; keep the disk tier within its budget too.
             self._enforce_disk_budget()
+        if self._shared is None:
+            return
+        with self._publishing(key):
+            with self._lock:
+                # Still this version, not yet published (a hand-over may have done it meanwhile),
+                # and still this replica's to publish (not being handed over, not taken over).
+                unpublished = self._entries.get(key) is entry and entry.version == version != entry.shared_version
+            if unpublished and self._may_publish(key):
+                self._published(entry, version, self._shared.publish(key, blob, None, cache.base_key))
 
     def flush(self) -> None:
         """Wait for queued write-backs, which stop yielding to turns meanwhile (a failed one was

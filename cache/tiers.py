@@ -24,6 +24,13 @@ class Tier(enum.StrEnum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    REDIS = "redis"
+    """The tier replicas share (`cache/shared_tier.py`): a copy beside the local placement, never
+    a session's only placement in this process."""
+
+
+LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+"""The tiers of one process, each under its byte budget; every session cache is in one of them."""
 
 
 BASE_BLOB_PREFIX = "base-"
@@ -64,6 +71,12 @@ class BlobMissing(Exception):
     the store). Declared here, not in `storage/`, because `cache/` and `storage/` do not import each
     other: `sessions/offload.py` adapts the storage stores' own `BlobNotFound` to it. A named
     exception instead of `KeyError`, so a `KeyError` from a bug is not mistaken for an absent blob."""
+
+
+class StoreUnavailable(Exception):
+    """A shared `BlobStore` cannot be reached (Redis down or timing out). Only `put` raises it: a
+    read from an unreachable store is `BlobMissing` (the turn rebuilds), and a delete is retried by
+    the store's TTL. The cache stays in this process's tiers."""
 
 
 class SealFailed(Exception):
@@ -118,6 +131,13 @@ class BlobStore(Protocol):
     def used_bytes(self) -> int:
         """Bytes of every blob in the store."""
         ...
+
+
+class SharedBlobStore(BlobStore, Protocol):
+    """The store replicas share (Redis): a `BlobStore` that can also drop a whole tenant's blobs,
+    those it has no index of included (they are still named by the tenant)."""
+
+    def delete_tenant(self, tenant_id: TenantId) -> None: ...
 
 
 class TierEvents(Protocol):

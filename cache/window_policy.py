@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cache.rope import RopeLayout, rotate_keys
-from cache.session_cache import LayerSpan, SessionCache
+from cache.session_cache import LayerSpan, SessionCache, span_offsets
 
 MIN_TURN_TOKENS = 64
 """Room the window keeps beside the system prompt and pinned turns: a short message and reply.
@@ -49,19 +49,45 @@ class WindowPlan:
         return sum(span.token_count for span in self.demote)
 
 
+WINDOW_POLICIES = ("turns", "attention")
+
+
 @dataclass(frozen=True)
 class WindowPolicy:
     """Demotes the oldest unpinned turn layers so that a turn fits in `budget_tokens`.
 
+    Attributes:
+        budget_tokens: the context window, in tokens.
+        policy: `turns` (exact per layer: whole oldest turns go, `plan`) or `attention` (lossy:
+            tokens of unpinned turn layers are evicted by importance, per KV head:
+            `cache.token_eviction`; the rebuild path demotes whole turns only until the turn
+            fits half-way to the model's position limit, then evicts: `sessions/turns.py`).
+        recent_tokens: under `attention`, most recent own tokens never evicted.
+        observation_tokens: under `attention`, queries at the end of the new turn's prefill whose
+            attention scores the cached tokens (`cache.attention_scores`).
+
     Raises:
-        ValueError: if `budget_tokens` is not positive.
+        ValueError: if `budget_tokens` is not positive, `policy` is unknown, `recent_tokens` is
+            negative (or, under `attention`, not below `budget_tokens`), or `observation_tokens < 1`.
     """
 
     budget_tokens: int
+    policy: str = "turns"
+    recent_tokens: int = 64
+    observation_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.budget_tokens <= 0:
             raise ValueError(f"budget_tokens must be > 0, got {self.budget_tokens}")
+        if self.policy not in WINDOW_POLICIES:
+            raise ValueError(f"window policy must be 'turns' or 'attention', got {self.policy!r}")
+        if self.recent_tokens < 0 or (self.policy == "attention" and self.recent_tokens >= self.budget_tokens):
+            raise ValueError(
+                f"window_recent_tokens must be >= 0 and below the context budget ({self.budget_tokens}), "
+                f"got {self.recent_tokens}"
+            )
+        if self.observation_tokens < 1:
+            raise ValueError(f"window_observation_tokens must be >= 1, got {self.observation_tokens}")
 
     def plan(
         self,
@@ -99,19 +125,19 @@ class WindowPolicy:
         return WindowPlan(tuple(demote), needed)
 
 
-def kept_layers(cache: SessionCache, demote: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int]]:
-    """(span, offset in the own tensors) of the layers that stay."""
+def kept_layers(cache: SessionCache, demote: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int, int]]:
+    """`span_offsets` of the layers that stay: (span, offset of its held tokens in the own tensors,
+    offset of its ids in `own_token_ids`)."""
     dropped = {span.original_start for span in demote}
-    out, offset = [], 0
-    for span in cache.layers:
-        if span.original_start not in dropped:
-            out.append((span, offset))
-        offset += span.token_count
-    return out
+    return [item for item in span_offsets(cache.layers) if item[0].original_start not in dropped]
 
 
 def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], layout: RopeLayout) -> SessionCache:
     """Drop `demote` from the cache and re-rotate the kept keys to contiguous positions.
+
+    A kept layer that lost tokens by importance (`LayerSpan.evicted_tokens`, the `attention`
+    policy) moves as a whole: its gaps keep their width, so its own tokens keep their relative
+    positions.
 
     Args:
         cache: the session cache (own tensors `[1, kv_heads, own_tokens, head_dim]`).
@@ -128,16 +154,24 @@ def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], layout:
     spans: list[LayerSpan] = []
     pieces_k: list[list[torch.Tensor]] = [[] for _ in cache.own_keys]
     pieces_v: list[list[torch.Tensor]] = [[] for _ in cache.own_values]
+    pieces_index: list[list[torch.Tensor]] = [[] for _ in cache.own_keys]
     token_ids: list[int] = []
-    for span, offset in kept:
+    for span, held, ids in kept:
         shift = span.position_start - position
-        end = offset + span.token_count
+        end = held + span.token_count
         for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
-            pieces_k[index].append(rotate_keys(keys[:, :, offset:end], shift, layout))
-            pieces_v[index].append(values[:, :, offset:end])
-        token_ids.extend(cache.own_token_ids[offset:end])
+            pieces_k[index].append(rotate_keys(keys[:, :, held:end], shift, layout))
+            pieces_v[index].append(values[:, :, held:end])
+            if cache.own_stream_index is not None:
+                pieces_index[index].append(cache.own_stream_index[index][:, held:end])
+        token_ids.extend(cache.own_token_ids[ids : ids + span.original_tokens])
         spans.append(replace(span, position_start=position))
-        position += span.token_count
+        position += span.original_tokens
+    stream_index = None
+    if cache.own_stream_index is not None:
+        stream_index = tuple(
+            torch.cat(p, dim=-1) if p else i[:, :0] for p, i in zip(pieces_index, cache.own_stream_index, strict=True)
+        )
     empty_like = [k[:, :, :0] for k in cache.own_keys]
     return replace(
         cache,
@@ -148,4 +182,5 @@ def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], layout:
         ),
         own_token_ids=tuple(token_ids),
         layers=tuple(spans),
+        own_stream_index=stream_index,
     )

@@ -23,14 +23,19 @@ from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant,
 from sessions.settings import Settings
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionDetail, SessionManager
+    from sessions.manager import SessionManager
+    from sessions.session_ops import SessionDetail
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("SessionManager", "SessionDetail"):
+    if name == "SessionManager":
         from sessions import manager
 
-        return getattr(manager, name)
+        return manager.SessionManager
+    if name == "SessionDetail":
+        from sessions import session_ops
+
+        return session_ops.SessionDetail
     raise AttributeError(f"module 'sessions' has no attribute {name!r}")
 
 

@@ -48,6 +48,33 @@ class SessionBusy(ChatKVError):
     http_status = 409
 
 
+class SessionOwnedElsewhere(SessionBusy):
+    """Another live replica owns the session and did not hand it over within
+    `Settings.ownership_wait_s` (it is running turns on it). `owner_url` is where that replica
+    serves, if it registered one: send the request there, or retry later."""
+
+    def __init__(self, session_id: str, owner_id: str | None, owner_url: str | None, waited_s: float) -> None:
+        self.owner_id, self.owner_url = owner_id, owner_url
+        where = f" at {owner_url}" if owner_url else ""
+        super().__init__(
+            f"session {session_id} is owned by replica {owner_id}{where}, which did not hand it over "
+            f"within {waited_s:g} s; send the request there or retry"
+        )
+
+
+class SessionMoved(SessionBusy):
+    """This replica lost the session's ownership lease while the turn ran (the lease expired and
+    another replica took the session over): the turn was not stored. Retry it."""
+
+
+class ReplicaRetired(ChatKVError):
+    """Another process took this replica's id over while this one stalled (its heartbeat stopped
+    for a lease): this process runs no more turns. Send the request to another replica, and
+    restart this one (each process needs its own `CHATKV_REPLICA_ID`)."""
+
+    http_status = 503
+
+
 class ContextTooLong(ChatKVError):
     """The new message (plus `max_new_tokens`) cannot fit in the model's context, even after the
     context window has demoted every unpinned turn; or a system prompt leaves no room for a turn.

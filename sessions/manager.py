@@ -13,15 +13,11 @@ them.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import re
 import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -30,9 +26,9 @@ from cache.budgets import TierBudgets
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.lease import Lease
 from cache.prefix_pool import PrefixPool
-from cache.session_cache import BaseLayer, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer
 from cache.tier_manager import LeaseHeld, TierManager
-from cache.tiers import BlobRejected, CacheKey, Tier
+from cache.tiers import CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS, WindowPolicy
 from sessions.chat_template import ChatTemplate, PastTurn
 from sessions.engine import Engine
@@ -43,34 +39,35 @@ from sessions.errors import (
     ManagerClosed,
     ModelUnavailable,
     SessionBusy,
+    SessionMoved,
     SessionNotFound,
-    TenantExists,
-    TenantNotFound,
 )
 from sessions.metrics import Metrics
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer, TierBlobStore
-from sessions.records import Message, Reply, RestoreResult, Role, SessionInfo, Tenant
+from sessions.ownership import SessionOwnership
+from sessions.records import Message, Reply, Role, SessionInfo
+from sessions.replication import open_shared_store, replica_id_for, start_ownership
 from sessions.sampling import SamplingParams
+from sessions.session_ops import SessionOps
 from sessions.settings import Settings
 from sessions.stop_strings import StopStrings
-from sessions.turns import Transcript, TurnOutcome, TurnRunner
+from sessions.tenant_ops import TenantRef
+from sessions.transcript import Transcript
+from sessions.turns import TurnOutcome, TurnRunner
 from sessions.validation import check_text, valid_id
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
-from storage.database import make_engine, secure_erase_freed_pages, upgrade
+from storage.database import make_engine, upgrade
 from storage.history_digest import history_digest
 from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import TenantKeys, load_master_key
-from storage.metadata_store import AlreadyExists, MessageRecord, MetadataStore, SessionRecord, TenantRecord
+from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord
+from storage.replica_store import OwnershipLost, OwnerToken, ReplicaStore
 
 log = logging.getLogger(__name__)
 
-TenantRef = Tenant | str
-_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_ID_PREFIX_TENANT = "tn_"
 _ID_PREFIX_SESSION = "s_"
-_API_KEY_PREFIX = "ckv_"
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
 MAX_CACHED_TRANSCRIPTS = 4096
@@ -78,18 +75,7 @@ CLOSE_LEASE_WAIT_S = 30.0
 """How long `close()` waits for cancelled turns to release their sessions."""
 
 
-@dataclass(frozen=True)
-class SessionDetail:
-    """What `chatkv sessions inspect` shows: the session, its layer table and where the cache is."""
-
-    info: SessionInfo
-    layers: tuple[LayerSpan, ...]
-    base_tokens: int
-    cache_bytes: int
-    last_ttft_s: float | None
-
-
-class SessionManager:
+class SessionManager(SessionOps):
     """Tenants, sessions and turns over one model. Thread-safe; use as a context manager.
 
     Args:
@@ -146,10 +132,16 @@ class SessionManager:
                 self.keys.master.id,
                 ", ".join(sorted(in_use)),
             )
-        self.metrics = Metrics(tenant_labels=settings.metrics_tenant_labels)
+        self.replica_id = replica_id_for(settings) if settings.replica_mode else None
+        self.metrics = Metrics(tenant_labels=settings.metrics_tenant_labels, replica=self.replica_id)
         self.disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
-            settings.blob_dir, self.metadata, engine.fingerprint, lambda t, n: CacheKey(TenantId(t), n)
+            settings.blob_dir,
+            self.metadata,
+            engine.fingerprint,
+            lambda t, n: CacheKey(TenantId(t), n),
+            location=self.replica_id or "",
         )
+        self.shared_store = open_shared_store(settings, self.metadata, engine.fingerprint)
         sealer = EncryptedCacheSealer(
             self.keys,
             engine.fingerprint,
@@ -171,6 +163,8 @@ class SessionManager:
             base_builder=self._build_base,
             write_back=settings.persist == "write_back",
             events=self.metrics,
+            shared=self.shared_store,
+            may_publish=self._may_publish,
         )
         self.tiers.adopt_disk_blobs(self.disk_store.reconcile())
         if self.disk_store.damaged_at_start:
@@ -185,7 +179,12 @@ class SessionManager:
             engine=engine,
             template=self.template,
             tiers=self.tiers,
-            window=WindowPolicy(budget),
+            window=WindowPolicy(
+                budget,
+                policy=settings.window_policy,
+                recent_tokens=settings.window_recent_tokens,
+                observation_tokens=settings.window_observation_tokens,
+            ),
             share_base=settings.share_base,
             reuse_kv=settings.reuse_kv,
         )
@@ -195,6 +194,10 @@ class SessionManager:
         self._lock = threading.Lock()
         self._key_lock = threading.Lock()
         self._closed = False
+        self.ownership: SessionOwnership | None = None
+        if self.replica_id is not None:
+            replicas = ReplicaStore(self._db)
+            self.ownership = start_ownership(settings, replicas, self.replica_id, self.tiers, self._invalidate_local)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -213,6 +216,8 @@ class SessionManager:
             )
         self.engine.loop.remove_observer(self.metrics)
         try:
+            if self.ownership is not None:
+                self.ownership.close()  # publishes the sessions it holds, so others take them at once
             self.tiers.persist_all()
             self.tiers.close()
             self._db.dispose()
@@ -228,115 +233,6 @@ class SessionManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.loaded.name
-
-    # -- tenants -------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ManagerClosed("the chatkv manager is closed")
-
-    def create_tenant(self, name: str) -> Tenant:
-        """Create a tenant with a fresh data-encryption key.
-
-        Raises:
-            InvalidInput: if the name is not 1-64 of `A-Z a-z 0-9 _ . -` (starting alphanumeric).
-            TenantExists: if the name is taken.
-        """
-        self._check_open()
-        if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name) or name.startswith(_ID_PREFIX_TENANT):
-            raise InvalidInput(f"invalid tenant name {name!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting 'tn_')")
-        tenant_id = TenantId(_ID_PREFIX_TENANT + secrets.token_hex(8))
-        with self._key_lock:  # a rotation must not re-wrap keys while a new one is wrapped
-            wrapped = self.keys.new_wrapped_key(tenant_id)
-            try:
-                record = self.metadata.create_tenant(
-                    tenant_id=tenant_id, name=name, wrapped_data_key=wrapped, master_key_id=self.keys.master.id
-                )
-            except AlreadyExists:
-                self.keys.forget(tenant_id)
-                raise TenantExists(f"tenant exists: {name}") from None
-        return _tenant(record)
-
-    def list_tenants(self) -> list[Tenant]:
-        return [_tenant(record) for record in self.metadata.list_tenants()]
-
-    def get_tenant(self, tenant: TenantRef) -> Tenant:
-        """Resolve a `Tenant`, tenant id or tenant name. Raises `TenantNotFound`."""
-        return _tenant(self._tenant_record(tenant))
-
-    def _tenant_record(self, tenant: TenantRef) -> TenantRecord:
-        if isinstance(tenant, Tenant):
-            record = self.metadata.get_tenant(tenant_id=tenant.id)
-        elif isinstance(tenant, str):
-            if not valid_id(tenant):
-                raise TenantNotFound(repr(tenant))
-            record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_ID_PREFIX_TENANT) else None
-            record = record or self.metadata.get_tenant(name=tenant)
-        else:
-            raise InvalidInput(f"tenant must be a Tenant, a tenant id or a name, got {type(tenant).__name__}")
-        if record is None:
-            raise TenantNotFound(tenant.name if isinstance(tenant, Tenant) else str(tenant))
-        return record
-
-    def _tenant_id(self, tenant: TenantRef) -> TenantId:
-        return TenantId(self._tenant_record(tenant).id)
-
-    def delete_tenant(self, tenant: TenantRef) -> None:
-        """Crypto-shred, then delete: the data key is destroyed first, so blobs that survive
-        anywhere are unreadable; then caches, files and rows go."""
-        tenant_id = self._tenant_id(tenant)
-        self.metadata.set_tenant_key(tenant_id=tenant_id, wrapped_data_key=None, master_key_id=None)
-        self.keys.forget(tenant_id)
-        self.runner.cancel_requests(tenant_id)
-        self.tiers.forget_tenant(tenant_id)
-        with self._lock:
-            for key in [k for k in self._transcripts if k[0] == tenant_id]:
-                del self._transcripts[key]
-        self.metadata.delete_tenant(tenant_id=tenant_id)
-        secure_erase_freed_pages(self._db)
-        self.tiers.forget_tenant(tenant_id)  # a turn that committed in between
-        self.disk_store.remove_tenant_folder(tenant_id)
-
-    def issue_api_key(self, tenant: TenantRef) -> str:
-        """A new API key for the tenant (shown once; only a salted hash is stored). Replaces the old one."""
-        tenant_id = self._tenant_id(tenant)
-        secret = secrets.token_urlsafe(24)
-        salt = secrets.token_bytes(16)
-        self.metadata.set_api_key(tenant_id=tenant_id, salt=salt, digest=_api_key_digest(salt, secret))
-        return f"{_API_KEY_PREFIX}{tenant_id}_{secret}"
-
-    def tenant_for_api_key(self, api_key: str) -> Tenant:
-        """The tenant an API key belongs to. Raises `TenantNotFound` for any wrong or unknown key
-        (the same error and message either way)."""
-        text = api_key if isinstance(api_key, str) else ""
-        match = re.fullmatch(rf"{_API_KEY_PREFIX}({_ID_PREFIX_TENANT}[0-9a-f]+)_([A-Za-z0-9_-]+)", text)
-        record = self.metadata.get_tenant(tenant_id=match.group(1)) if match else None
-        secret = match.group(2) if match else ""
-        salt = record.api_key_salt if record and record.api_key_salt else b"\0" * 16
-        expected = record.api_key_hash if record and record.api_key_hash else b""
-        if not hmac.compare_digest(_api_key_digest(salt, secret), expected) or record is None:
-            raise TenantNotFound()
-        return _tenant(record)
-
-    def rotate_master_key(self, new_master_key: str | None = None) -> str:
-        """Re-wrap every tenant's data key under a new master key; blobs are untouched.
-
-        Args:
-            new_master_key: base64 of 32 bytes; required when the current key comes from
-                `CHATKV_MASTER_KEY` (set the variable to it before the next start), else generated
-                and written to `master.key`.
-
-        Returns:
-            The new key's id.
-        """
-        from sessions.key_rotation import rotate_master_key
-
-        with self._key_lock:
-            return rotate_master_key(self, new_master_key)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -415,33 +311,6 @@ class SessionManager:
         """The tier manager's key of a session (for operators and tests)."""
         return CacheKey(self._tenant_id(tenant), str(session_id))
 
-    def _session_record(self, tenant_id: TenantId, session_id: str) -> SessionRecord:
-        if not valid_id(session_id):
-            raise SessionNotFound(repr(session_id))
-        record = self.metadata.get_session(tenant_id=tenant_id, session_id=str(session_id))
-        if record is None:
-            raise SessionNotFound(str(session_id))
-        return record
-
-    def session_info(self, tenant: TenantRef, session_id: str) -> SessionInfo:
-        tenant_id = self._tenant_id(tenant)
-        return self._info(self._session_record(tenant_id, session_id))
-
-    def _info(self, record: SessionRecord) -> SessionInfo:
-        tier = self.tiers.placement(CacheKey(TenantId(record.tenant_id), record.id))
-        return SessionInfo(
-            id=SessionId(record.id),
-            tenant_id=TenantId(record.tenant_id),
-            title=record.title,
-            system_prompt=record.system_prompt,
-            model_fingerprint=record.model_fingerprint,
-            token_count=record.token_count,
-            message_count=record.message_count,
-            created_at=record.created_at,
-            last_active_at=record.last_active_at,
-            tier=tier.value if tier else None,
-        )
-
     def list_sessions(self, tenant: TenantRef | None = None) -> list[SessionInfo]:
         """The tenant's sessions, most recently active first (`None`: every tenant's, for operators)."""
         tenant_id = None if tenant is None else self._tenant_id(tenant)
@@ -466,99 +335,6 @@ class SessionManager:
         if not self.metadata.delete_session(tenant_id=tenant_id, session_id=record.id):
             raise SessionNotFound(str(session_id))
         self.tiers.forget(CacheKey(tenant_id, record.id))  # a turn that finished in between
-
-    def pin_turn(self, tenant: TenantRef, session_id: str, turn_index: int) -> None:
-        """Promote turn `turn_index` (0-based) into the base layer: it is never demoted.
-
-        Raises:
-            InvalidInput: if there is no such turn, it was already demoted out of the window, or
-                the pinned content would leave less than `MIN_TURN_TOKENS` of the window.
-        """
-        tenant_id = self._tenant_id(tenant)
-        record = self._session_record(tenant_id, session_id)
-        turns = record.message_count // 2
-        if isinstance(turn_index, bool) or not isinstance(turn_index, int) or not 0 <= turn_index < turns:
-            raise InvalidInput(f"no turn {turn_index!r}: the session has {turns} turns")
-        key = CacheKey(tenant_id, record.id)
-        cache = self.tiers.peek(key) or self._open_stored(key)
-        if cache is not None:
-            spans = [span for span in cache.layers if span.turn_index == turn_index]
-            if not spans:
-                raise InvalidInput(f"turn {turn_index} was demoted out of the context window; it cannot be pinned")
-            pinned = sum(s.token_count for s in cache.layers if s.pinned or s.turn_index == turn_index)
-            if cache.base_tokens + pinned + MIN_TURN_TOKENS > self.context_budget_tokens:
-                raise InvalidInput(
-                    f"pinning turn {turn_index} would leave less than {MIN_TURN_TOKENS} tokens of the "
-                    f"{self.context_budget_tokens}-token window for the conversation"
-                )
-        pinned_turns = sorted({*record.pinned_turns, turn_index})
-        self.metadata.set_pinned_turns(tenant_id=tenant_id, session_id=record.id, pinned_turns=pinned_turns)
-        with self._lock:
-            cached = self._transcripts.get((tenant_id, SessionId(record.id)))
-            if cached is not None:
-                cached.pinned.add(turn_index)
-
-    def inspect_session(self, tenant: TenantRef, session_id: str) -> SessionDetail:
-        """Session, layer table and cache placement (a host or disk cache is opened to read it)."""
-        tenant_id = self._tenant_id(tenant)
-        record = self._session_record(tenant_id, session_id)
-        key = CacheKey(tenant_id, record.id)
-        cache = self.tiers.peek(key) or self._open_stored(key)
-        return SessionDetail(
-            info=self._info(record),
-            layers=tuple(cache.full_layer_table()) if cache else (),
-            base_tokens=cache.base_tokens if cache else 0,
-            cache_bytes=self.tiers.entry_bytes(key),
-            last_ttft_s=record.last_ttft_s,
-        )
-
-    def _open_stored(self, key: CacheKey) -> SessionCache | None:
-        try:
-            return self.tiers.stored_cache(key)
-        except BlobRejected:
-            return None
-
-    def restore_session(self, tenant: TenantRef, session_id: str) -> RestoreResult:
-        """Bring an idle session's cache up to the device now, as its next turn would (pre-warm).
-        Budgets are enforced afterwards and may move it down again; `tier` says where it ended.
-
-        Raises:
-            SessionBusy: if a turn is in flight on the session.
-        """
-        tenant_id = self._tenant_id(tenant)
-        record = self._session_record(tenant_id, session_id)
-        key = CacheKey(tenant_id, record.id)
-        try:
-            with self.tiers.lease(key) as lease:
-                restored = lease.restore()
-        except LeaseHeld:
-            raise SessionBusy(f"session {session_id} has a turn in flight") from None
-        tier = self.tiers.placement(key)
-        return RestoreResult(
-            tier=tier.value if tier else None,
-            restored_from=restored.source.value if restored.source else None,
-            restore_s=restored.seconds,
-            rejected=restored.rejected,
-        )
-
-    def evict_session(self, tenant: TenantRef, session_id: str, to: str) -> str | None:
-        """Move an idle session's cache down to `host` or `disk`, or `drop` it. Returns the tier.
-
-        Raises:
-            InvalidInput: for another target, or a target above the current tier.
-            SessionBusy: if a turn is in flight on the session.
-        """
-        tenant_id = self._tenant_id(tenant)
-        record = self._session_record(tenant_id, session_id)
-        if to not in ("host", "disk", "drop"):
-            raise InvalidInput(f"evict target must be host, disk or drop, got {to!r}")
-        try:
-            tier = self.tiers.evict(CacheKey(tenant_id, record.id), None if to == "drop" else Tier(to))
-        except LeaseHeld:
-            raise SessionBusy(f"session {session_id} has a turn in flight") from None
-        except ValueError as exc:
-            raise InvalidInput(str(exc)) from None
-        return tier.value if tier else None
 
     # -- turns ---------------------------------------------------------------------------------
 
@@ -630,13 +406,18 @@ class SessionManager:
         tenant_id = self._tenant_id(tenant)
         record = self._session_record(tenant_id, session_id)
         sid = SessionId(record.id)
+        key = CacheKey(tenant_id, sid)
         try:
-            with self.tiers.lease(CacheKey(tenant_id, sid)) as lease:
+            with self._owner(key) as owner, self.tiers.lease(key) as lease:
+                if owner is not None:
+                    # The hold may have waited for another replica's hand-over, which ran turns
+                    # since the read above: the transcript must be built on the record as it is now.
+                    record = self._session_record(tenant_id, session_id)
                 transcript = self._transcript(tenant_id, sid, record)
                 if expected_turns is not None and len(transcript.turns) != expected_turns:
                     raise SessionBusy(f"session {sid} moved on: it has {len(transcript.turns)} turns")
                 outcome = yield from self._run_turn(tenant_id, sid, transcript, message, params, stop_strings, lease)
-                self._store_turn(tenant_id, sid, transcript, message, outcome)
+                self._store_turn(tenant_id, sid, transcript, message, outcome, owner)
                 if self.settings.reuse_kv:
                     lease.commit(outcome.cache)
         except LeaseHeld:  # only the lease's entry raises it: another turn holds the session
@@ -679,6 +460,7 @@ class SessionManager:
         transcript: Transcript,
         message: str,
         outcome: TurnOutcome,
+        owner: OwnerToken | None,
     ) -> None:
         reply = outcome.reply
         try:
@@ -693,9 +475,15 @@ class SessionManager:
                 model_fingerprint=self.engine.fingerprint,
                 ttft_s=reply.stats.ttft_s,
                 returned_texts=(message, reply.text),
+                owner=owner,
             )
         except KeyError:
             raise SessionNotFound(session_id) from None
+        except OwnershipLost:
+            raise SessionMoved(
+                f"session {session_id} was taken over by another replica while this turn ran; "
+                "it was not stored, retry it"
+            ) from None
         transcript.append(PastTurn(message, reply.stored_text, reply.token_ids), outcome.token_count)
         if outcome.unpinned_turn is not None:
             transcript.pinned.discard(outcome.unpinned_turn)
@@ -727,47 +515,30 @@ class SessionManager:
                 self._transcripts.popitem(last=False)
             return kept
 
+    def _may_publish(self, key: CacheKey) -> bool:
+        """A write-back may publish to Redis only while this replica owns the session."""
+        ownership = getattr(self, "ownership", None)  # not set yet while the manager starts
+        return ownership is None or ownership.owns(key)
+
+    def _invalidate_local(self, key: CacheKey) -> None:
+        """Drop this replica's copies of a session another replica has moved on (its transcript
+        and its caches); a turn in flight here keeps its own (its commit fence decides)."""
+        with self._lock:
+            self._transcripts.pop((key.tenant_id, SessionId(key.name)), None)
+        try:
+            self.tiers.forget_local(key)
+        except LeaseHeld:
+            log.debug("session %s: a local turn holds it; its stale copies are left to the fence", key.name)
+
+    def set_replica_url(self, url: str) -> None:
+        """The URL this process serves at (`chatkv serve` calls it), shown to clients of other
+        replicas that are refused a session this replica owns. `Settings.replica_url` wins."""
+        if self.ownership is not None and not self.settings.replica_url:
+            self.ownership.set_url(url)
+
     def _build_base(self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> BaseLayer:
         keys, values = self.engine.compute_prefix(token_ids)
         return BaseLayer(key, token_ids, keys, values)
-
-    # -- operations ----------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Sessions and bytes per tier, budgets, cache hit rate, prefill tokens saved, evictions."""
-        usage = self.tiers.usage()
-        m = self.metrics
-
-        def value(counter: Any, *labels: str) -> float:
-            return float(counter.labels(*labels)._value.get()) if labels else float(counter._value.get())
-
-        queries = value(m.cache_queries, "tokens")
-        evictions = {
-            f"{s.value}->{t}": value(m.evictions, s.value, t)
-            for s in Tier
-            for t in ("host", "disk", "dropped")
-            if value(m.evictions, s.value, t)
-        }
-        return {
-            "tiers": {
-                t.value: {
-                    "sessions": usage.sessions[t],
-                    "bytes": usage.bytes[t],
-                    "budget_bytes": usage.budgets[t],
-                    "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),
-                }
-                for t in Tier
-            },
-            "base_layers_in_pool": len(self.tiers.pool),
-            "cache_hit_rate_tokens": value(m.cache_hits, "tokens") / queries if queries else 0.0,
-            "prefill_tokens": value(m.prefill_tokens),
-            "prefill_tokens_saved": value(m.prefill_tokens_saved),
-            "evictions": evictions,
-            "integrity_failures": sum(value(m.integrity_failures, t.value) for t in Tier),
-            "model": self.model_name,
-            "model_fingerprint": self.engine.fingerprint,
-            "context_budget_tokens": self.context_budget_tokens,
-        }
 
 
 def _resolve_device(device: str) -> str:
@@ -780,10 +551,6 @@ def _resolve_device(device: str) -> str:
     if device == "mps" and not torch.backends.mps.is_available():
         raise ModelUnavailable("device 'mps' asked for, but MPS is not available on this machine")
     return device
-
-
-def _tenant(record: TenantRecord) -> Tenant:
-    return Tenant(id=TenantId(record.id), name=record.name, created_at=record.created_at)
 
 
 def _message(record: MessageRecord) -> Message:
@@ -810,7 +577,3 @@ def _past_turns(messages: list[MessageRecord], tokenizer: Any, vocab_size: int) 
             turns.append(PastTurn(pending_user.text, record.text, ids))
             pending_user = None
     return turns
-
-
-def _api_key_digest(salt: bytes, secret: str) -> bytes:
-    return hashlib.pbkdf2_hmac("sha256", secret.encode(), salt, 10_000)

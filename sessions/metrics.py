@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache.budgets import TierUsage
-from cache.tiers import Tier
+from cache.tiers import LOCAL_TIERS, Tier
 from sessions.engine.loop import BUSY_WINDOW_S, LoopStats
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,7 +31,7 @@ class _TierCollector(Collector):
         count = GaugeMetricFamily("chatkv_tier_sessions", "Session caches held per tier", labels=["tier"])
         budget = GaugeMetricFamily("chatkv_tier_budget_bytes", "Byte budget per tier", labels=["tier"])
         ratio = GaugeMetricFamily("chatkv_tier_budget_usage_ratio", "Bytes held / budget per tier", labels=["tier"])
-        for tier in Tier:
+        for tier in LOCAL_TIERS:
             size.add_metric([tier.value], usage.bytes[tier])
             count.add_metric([tier.value], usage.sessions[tier])
             budget.add_metric([tier.value], usage.budgets[tier])
@@ -65,11 +65,37 @@ class _EngineCollector(Collector):
         yield from (running, waiting, busy)
 
 
-class Metrics:
-    """Counters and histograms of turns and tiers; also the tier manager's `TierEvents`."""
+class _ReplicaLabelled(Collector):
+    """Every sample of `inner` with a `replica` label added: replicas behind one load balancer
+    stay apart even when scraped through one address (Prometheus's own `instance` label then
+    names the balancer, not the replica)."""
 
-    def __init__(self, tenant_labels: bool = False) -> None:
+    def __init__(self, inner: CollectorRegistry, replica: str) -> None:
+        self._inner, self._replica = inner, replica
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [
+                sample._replace(labels={**sample.labels, "replica": self._replica}) for sample in family.samples
+            ]
+            yield labelled
+
+
+class Metrics:
+    """Counters and histograms of turns and tiers; also the tier manager's `TierEvents`.
+
+    Args:
+        tenant_labels: label per-tenant series with the tenant id.
+        replica: this replica's id, added as a `replica` label to every series (replicas only).
+    """
+
+    def __init__(self, tenant_labels: bool = False, replica: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._exposed = self.registry
+        if replica is not None:
+            self._exposed = CollectorRegistry(auto_describe=False)
+            self._exposed.register(_ReplicaLabelled(self.registry, replica))
         self._tenant_labels = tenant_labels
         r = self.registry
         self.cache_queries = Counter(
@@ -166,8 +192,8 @@ class Metrics:
             self.tenant_turns.labels(tenant_id).inc()
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of this registry."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of this registry (with the `replica` label, if any)."""
+        return generate_latest(self._exposed)
 
     # -- TierEvents ----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ format version))`; any failure to authenticate or decode becomes `BlobRejected` 
 rebuilds the cache from the transcript. A tenant whose data key is unavailable (deleted, or a
 master key that does not unwrap it) cannot seal: `SealFailed`, and the cache is dropped instead.
 Errors are translated the same way for the stores: `storage`'s `BlobNotFound` becomes `cache`'s
-`BlobMissing` (`TierBlobStore`).
+`BlobMissing` (`TierBlobStore`, and `SharedBlobStore` for the Redis tier of replicas).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from collections.abc import Callable
 
 import torch
 
+from cache.ids import TenantId
 from cache.serialization import (
     FORMAT_VERSION,
+    READABLE_VERSIONS,
     MalformedCache,
     base_layer_from_tensors,
     base_layer_to_tensors,
@@ -26,10 +28,11 @@ from cache.serialization import (
     session_cache_to_tensors,
 )
 from cache.session_cache import BaseLayer, SessionCache
-from cache.tiers import BlobMissing, BlobRejected, CacheKey, SealFailed
+from cache.tiers import BlobMissing, BlobRejected, CacheKey, SealFailed, StoreUnavailable
 from storage import codec
 from storage.blob_stores import BlobNotFound, DiskBlobStore, HostBlobStore
-from storage.keyring import KeyRingError, TenantKeys, blob_aad, open_sealed, seal
+from storage.keyring import AuthenticationFailed, KeyRingError, TenantKeys, blob_aad, open_sealed, seal
+from storage.redis_store import RedisBlobStore, RedisUnavailable
 
 
 class EncryptedCacheSealer:
@@ -57,8 +60,8 @@ class EncryptedCacheSealer:
         self._precision = precision
         self._residual = residual_tokens
 
-    def _aad(self, key: CacheKey) -> bytes:
-        return blob_aad(key.tenant_id, key.name, self._fingerprint, FORMAT_VERSION)
+    def _aad(self, key: CacheKey, version: int = FORMAT_VERSION) -> bytes:
+        return blob_aad(key.tenant_id, key.name, self._fingerprint, version)
 
     def _data_key(self, key: CacheKey) -> bytes:
         try:
@@ -68,13 +71,29 @@ class EncryptedCacheSealer:
 
     def _open(self, key: CacheKey, blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         try:
-            payload = open_sealed(self._keys.data_key(key.tenant_id), blob, self._aad(key))
+            payload = self._open_any_version(key, blob)
             tensors, header = codec.decode(payload)
         except (KeyRingError, codec.CodecError) as exc:
             raise BlobRejected(str(exc)) from exc
         if header.get("model_fingerprint") != self._fingerprint:
             raise BlobRejected("the blob was made with another model")
         return tensors, header
+
+    def _open_any_version(self, key: CacheKey, blob: bytes) -> bytes:
+        """The payload under the current format's associated data, else an older readable one's
+        (a blob written before an upgrade). Raises the current version's `AuthenticationFailed`."""
+        data_key = self._keys.data_key(key.tenant_id)
+        try:
+            return open_sealed(data_key, blob, self._aad(key))
+        except AuthenticationFailed as current:
+            for version in READABLE_VERSIONS:
+                if version == FORMAT_VERSION:
+                    continue
+                try:
+                    return open_sealed(data_key, blob, self._aad(key, version))
+                except AuthenticationFailed:
+                    continue
+            raise current from None
 
     def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
         data_key = self._data_key(key)
@@ -142,3 +161,55 @@ class TierBlobStore:
 
     def used_bytes(self) -> int:
         return self.store.used_bytes()
+
+
+class SharedBlobStore:
+    """The Redis store as the tier manager's shared `BlobStore`: an absent blob, and a Redis that
+    cannot be reached, read as `cache.tiers.BlobMissing` (the turn rebuilds from the transcript:
+    a Redis outage costs a prefill, never a turn); a write that cannot reach Redis raises
+    `cache.tiers.StoreUnavailable` (the cache stays local). Each read that found Redis down is
+    counted in `unavailable`.
+
+    Args:
+        store: the Redis store, keyed by `CacheKey`.
+    """
+
+    def __init__(self, store: RedisBlobStore[CacheKey]) -> None:
+        self.store = store
+        self.unavailable = 0
+
+    def get(self, key: CacheKey) -> bytes:
+        """Raises `BlobMissing` if absent or if Redis cannot be reached."""
+        try:
+            return self.store.get(key)
+        except BlobNotFound as exc:
+            raise BlobMissing(str(exc)) from exc
+        except RedisUnavailable as exc:
+            self.unavailable += 1
+            raise BlobMissing(f"Redis unavailable: {exc}") from exc
+
+    def put(self, key: CacheKey, blob: bytes) -> None:
+        """Raises `StoreUnavailable` if Redis cannot be reached."""
+        try:
+            self.store.put(key, blob)
+        except RedisUnavailable as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    def delete(self, key: CacheKey) -> None:
+        self.store.delete(key)
+
+    def contains(self, key: CacheKey) -> bool:
+        return self.store.contains(key)
+
+    def nbytes(self, key: CacheKey) -> int:
+        return self.store.nbytes(key)
+
+    def keys(self) -> list[CacheKey]:
+        return self.store.keys()
+
+    def used_bytes(self) -> int:
+        return self.store.used_bytes()
+
+    def delete_tenant(self, tenant_id: TenantId) -> None:
+        """Every blob of the tenant in Redis (call it before the tenant's rows are deleted)."""
+        self.store.delete_tenant(tenant_id)

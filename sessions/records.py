@@ -9,7 +9,7 @@ from typing import Literal
 from cache.ids import SessionId, TenantId
 
 Role = Literal["system", "user", "assistant"]
-RestoreSource = Literal["new", "device", "host", "disk", "rebuilt"]
+RestoreSource = Literal["new", "device", "host", "disk", "redis", "rebuilt"]
 """Where a turn found the session cache: `new` (first turn), a tier, or `rebuilt` by prefill from the
 transcript (no cache stored, the stored cache failed authentication, or another model fingerprint)."""
 FinishReason = Literal["stop", "length"]

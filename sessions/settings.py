@@ -26,6 +26,10 @@ from sessions.engine.config import SchedulerConfig
 
 Precision = Literal["exact", "int8", "int4"]
 PersistMode = Literal["on_evict", "write_back"]
+WindowPolicyName = Literal["turns", "attention"]
+
+REPLICA_ID_FILE = "replica.id"
+"""File in the home that keeps a replica's generated id (`sessions.replication.replica_id_for`)."""
 
 DEFAULT_MODEL = "default"
 """`Settings.model` value naming the bundled SmolLM2-135M-Instruct."""
@@ -43,6 +47,7 @@ _SIZE_UNITS = {
     "tib": 2**40,
 }
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -182,6 +187,14 @@ class Settings:
 
     context_budget_tokens: int | None = None
     """Per-session context window in tokens; default 80% of the model's `max_position_embeddings`."""
+    window_policy: WindowPolicyName = "turns"
+    """What goes when a turn would exceed the context budget: `turns` (exact per layer: whole
+    oldest unpinned turns) or `attention` (lossy: each KV head evicts the tokens of unpinned turns
+    that the new turn's last queries attend to least, SnapKV-style; docs/architecture.md)."""
+    window_recent_tokens: int = 64
+    """Under `attention`, the most recent tokens of a session never evicted (below the budget)."""
+    window_observation_tokens: int = 32
+    """Under `attention`, queries at the end of each turn's prefill whose attention scores the cache."""
     pin_first_turn: bool = False
     share_base: bool = True
     """Share the base layer (system prompt) of a tenant's sessions through the prefix pool."""
@@ -213,6 +226,33 @@ class Settings:
     metrics_tenant_labels: bool = False
     """Label per-tenant metrics with the tenant id (only when the number of tenants is bounded)."""
 
+    redis_url: str | None = None
+    """The KV tier replicas share: `redis://host:6379/0` (`rediss://` with TLS). Each session's cache
+    is published there, sealed, so another replica can restore it (docs/replicas.md)."""
+    redis_cluster: bool = False
+    """`redis_url` names a node of a Redis Cluster (redis-py's cluster client)."""
+    redis_ttl_s: float = 7 * 86400.0
+    """Each blob in Redis expires this long after it was written."""
+    redis_budget_bytes: int | None = None
+    """Most bytes of blobs in Redis (by the `cache_blobs` rows), oldest dropped first; `None`: the TTL
+    (and Redis's own `maxmemory`) bound it."""
+    redis_prefix: str = "chatkv"
+    """First part of every Redis key (several deployments can share one Redis)."""
+    replica_id: str | None = None
+    """This replica's id in the shared database; default one generated once and kept in
+    `home/replica.id`."""
+    replica_url: str | None = None
+    """The URL other replicas' clients are sent to for sessions this replica owns; default the
+    address `chatkv serve` listens on."""
+    ownership_lease_s: float = 15.0
+    """A session's ownership lease: renewed every third of it while the replica lives; a dead
+    replica's sessions are taken over this long after its last renewal."""
+    ownership_wait_s: float = 10.0
+    """How long a turn waits for another replica to hand its session over before it is refused
+    (HTTP 409 with the owner's URL)."""
+    ownership_idle_s: float = 30.0
+    """A session idle this long is published to Redis and its lease given up."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home).expanduser())
         if self.model_cache_dir is not None:
@@ -220,6 +260,11 @@ class Settings:
         for f in fields(self):
             _check_field(f.name, getattr(self, f.name))
         self.scheduler_config()  # raises ValueError for a bad engine limit
+        budget = self.context_budget_tokens
+        if self.window_policy == "attention" and budget is not None and self.window_recent_tokens >= budget:
+            raise ValueError(
+                f"window_recent_tokens must be below context_budget_tokens ({budget}), got {self.window_recent_tokens}"
+            )
         self._derive_budgets()
 
     def _derive_budgets(self) -> None:
@@ -272,6 +317,22 @@ class Settings:
         return self.model_cache_dir or self.home / "models"
 
     @property
+    def replica_mode(self) -> bool:
+        """Several replicas may share this database: a shared database (anything but SQLite) or a
+        shared KV tier. Turns then take the session's ownership lease (`sessions/ownership.py`)."""
+        return self.redis_url is not None or not self.resolved_database_url.startswith("sqlite")
+
+    def disk_location(self) -> str:
+        """The `cache_blobs` location of this home's disk tier, read without creating anything:
+        the replica id in replica mode (if one was ever made), else `""` (a single process)."""
+        if not self.replica_mode:
+            return ""
+        if self.replica_id:
+            return self.replica_id
+        path = self.home / REPLICA_ID_FILE
+        return path.read_text().strip() if path.is_file() else ""
+
+    @property
     def blob_dir(self) -> Path:
         return self.home / "blobs"
 
@@ -302,6 +363,12 @@ _CHOICES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
     "device": (lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda, cuda:N or mps"),
     "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
+    "window_policy": (lambda v: v in ("turns", "attention"), "'turns' or 'attention'"),
+    "window_recent_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "window_observation_tokens": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "an integer >= 1",
+    ),
     "context_budget_tokens": (lambda v: v >= 16, ">= 16"),
     "threads": (lambda v: v >= 1, ">= 1"),
     "max_concurrent_requests_per_tenant": (
@@ -309,6 +376,17 @@ _CHOICES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "an integer >= 1",
     ),
     "session_retention_s": (lambda v: 0 < v <= MAX_DURATION_S, "in (0, 100 years]"),
+    "redis_url": (
+        lambda v: isinstance(v, str) and re.fullmatch(r"rediss?://\S+", v) is not None,
+        "redis://... or rediss://...",
+    ),
+    "redis_ttl_s": (lambda v: 1 <= v <= MAX_DURATION_S, "in [1 s, 100 years]"),
+    "redis_prefix": (lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None, "1-32 of A-Z a-z 0-9 _ . -"),
+    "replica_id": (lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None, "1-32 of A-Z a-z 0-9 _ . -"),
+    "replica_url": (lambda v: isinstance(v, str) and re.fullmatch(r"https?://\S+", v) is not None, "http(s)://..."),
+    "ownership_lease_s": (lambda v: 0.5 <= v <= 3600, "in [0.5, 3600] seconds"),
+    "ownership_wait_s": (lambda v: 0 <= v <= 3600, "in [0, 3600] seconds"),
+    "ownership_idle_s": (lambda v: 0.1 <= v <= MAX_DURATION_S, "in [0.1 s, 100 years]"),
 }
 """What one field's value must be on its own (combinations are checked in `Settings.__post_init__`)."""
 
@@ -333,6 +411,8 @@ def _parse_field(name: str, raw: str) -> Any:
     if name in (
         "context_budget_tokens",
         "quant_residual_tokens",
+        "window_recent_tokens",
+        "window_observation_tokens",
         "threads",
         "max_step_tokens",
         "max_running_requests",
@@ -343,7 +423,7 @@ def _parse_field(name: str, raw: str) -> Any:
         if not re.fullmatch(r"\s*-?[0-9]+\s*", raw):
             raise ValueError(f"not an integer: {raw!r}")
         return int(raw)
-    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv"):
+    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv", "redis_cluster"):
         lowered = raw.strip().lower()
         if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
             raise ValueError(f"not a boolean: {raw!r}")

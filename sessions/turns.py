@@ -13,7 +13,8 @@ Two ways to the first new token:
   session with this system prompt) is prefilled in the same forward pass as the turn and then
   copied into the pool, so a first turn costs one pass, like a plain full prefill.
 
-Either way the window policy first demotes the oldest unpinned turns if the turn would not fit.
+Either way the window step first makes the turn fit (`sessions.turn_prep`: whole oldest turns
+demoted, or tokens evicted by attention under the `attention` policy).
 With `reuse_kv` off (a benchmark baseline) every turn takes the rebuild path without the pool.
 
 A turn with stop strings ends early once its text contains one (`sessions.stop_strings`): the
@@ -23,13 +24,12 @@ their whole text, while the reply returned is cut before the stop string.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.lease import Lease
@@ -38,65 +38,25 @@ from cache.restore import Restored
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache, WorkingCache
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey, Tier
-from cache.window_policy import (
-    MIN_TURN_TOKENS,
-    ContextOverflow,
-    WindowPlan,
-    WindowPolicy,
-    demote_by_rotation,
-    kept_layers,
-)
-from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence, rendering_digest
+from cache.window_policy import MIN_TURN_TOKENS, ContextOverflow, WindowPlan, WindowPolicy
+from sessions.chat_template import ChatTemplate, ConversationTokens, PastTurn, TemplateDivergence, rendering_digest
 from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine, Request, RequestResult
 from sessions.errors import ContextTooLong, SessionNotFound
 from sessions.records import FinishReason, Reply, RestoreSource, TurnStats
 from sessions.sampling import SamplingParams
 from sessions.stop_strings import NO_STOP, StopScanner, StopStrings
+from sessions.transcript import Transcript, transcript_digest
+from sessions.turn_prep import TurnWindow
 
 log = logging.getLogger(__name__)
 
-_TIER_SOURCES: dict[Tier, RestoreSource] = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
-
-
-@dataclass
-class Transcript:
-    """What a turn needs of the stored conversation (cached in memory per session).
-
-    `token_count`: tokens of the conversation stream fed so far (demoted turns included); it is the
-    stream index at which the next turn's prefill starts.
-    """
-
-    system_prompt: str | None
-    turns: list[PastTurn] = field(default_factory=list)
-    pinned: set[int] = field(default_factory=set)
-    token_count: int = 0
-    digest: str = ""
-    """Chained digest of the system prompt and every turn (`transcript_digest`)."""
-
-    def __post_init__(self) -> None:
-        if not self.digest:
-            digest = transcript_digest("", None, self.system_prompt)
-            for turn in self.turns:
-                digest = transcript_digest(digest, turn, None)
-            self.digest = digest
-
-    def append(self, turn: PastTurn, token_count: int) -> None:
-        self.turns.append(turn)
-        self.token_count = token_count
-        self.digest = transcript_digest(self.digest, turn, None)
-
-
-def transcript_digest(previous: str, turn: PastTurn | None, system_prompt: str | None) -> str:
-    """SHA-256 chain over the transcript: the system prompt first, then each turn's texts and
-    exact reply ids. A cache records the digest of the transcript it was computed from."""
-    digest = hashlib.sha256(previous.encode())
-    if turn is None:
-        digest.update(b"system\0" + (b"\1" + system_prompt.encode() if system_prompt is not None else b"\0"))
-    else:
-        digest.update(b"turn\0" + turn.user_text.encode() + b"\0" + turn.assistant_text.encode() + b"\0")
-        digest.update(",".join(str(i) for i in turn.assistant_ids).encode())
-    return digest.hexdigest()
+_TIER_SOURCES: dict[Tier, RestoreSource] = {
+    Tier.DEVICE: "device",
+    Tier.HOST: "host",
+    Tier.DISK: "disk",
+    Tier.REDIS: "redis",
+}
 
 
 @dataclass(frozen=True)
@@ -140,6 +100,7 @@ class TurnRunner:
         self.template = template
         self.tiers = tiers
         self.window = window
+        self.fitting = TurnWindow(engine, window, accountant=tiers)
         self.share_base = share_base
         self.reuse_kv = reuse_kv
         self._active: dict[CacheKey, Request] = {}
@@ -216,11 +177,18 @@ class TurnRunner:
             lease.discard()
             cache = None
         source: RestoreSource = "rebuilt" if transcript.turns else "new"
+        if restored.cache is None and transcript.turns and self.reuse_kv:
+            log.info("session %s: no stored cache in any tier; rebuilding from the transcript", session_id)
         if cache is not None and restored.source is not None:
             source = _TIER_SOURCES[restored.source]
         plan = None
         if cache is not None:
             plan = self._plan_reuse(cache, transcript, user_text)
+            if plan is not None and self.fitting.positions_overflow(
+                cache, len(plan.closing) + len(plan.turn), params.max_new_tokens
+            ):
+                log.info("session %s: positions would pass the model's limit; rebuilding the window", session_id)
+                plan = None
             if plan is None:
                 lease.discard()
                 cache = None
@@ -266,13 +234,9 @@ class TurnRunner:
     def _prepare_reuse(
         self, cache: SessionCache, transcript: Transcript, plan: TurnPlan, params: SamplingParams
     ) -> _Prepared:
-        cache = _apply_pins(cache, transcript.pinned)
-        window = self._plan_window(cache.layers, cache.base_tokens, plan, params)
-        last = cache.layers[-1]
-        last_demoted = any(span.original_start == last.original_start for span in window.demote)
-        closing = () if last_demoted else plan.closing
-        if window.demote:
-            cache = self._demote(cache, window.demote)
+        fitted = self.fitting.fit(_apply_pins(cache, transcript.pinned), plan.closing, plan.turn, params.max_new_tokens)
+        cache = fitted.cache
+        closing = () if fitted.last_demoted else plan.closing
         spans: list[LayerSpan] = []
         if closing:
             spans.append(replace(cache.layers[-1], token_count=cache.layers[-1].token_count + len(closing)))
@@ -282,7 +246,7 @@ class TurnRunner:
                 turn_index,
                 transcript,
                 transcript.token_count + len(plan.closing),
-                cache.total_tokens + len(closing),
+                cache.next_position + len(closing),
             )
         )
         return _Prepared(
@@ -292,30 +256,12 @@ class TurnRunner:
             new_turn_prefill=len(plan.turn),
             reused_tokens=cache.total_tokens,
             base_reused=cache.base_tokens,
-            demoted_tokens=window.demoted_tokens,
+            demoted_tokens=fitted.demoted_tokens,
             base_computed=0,
             user_token_ids=plan.closing + plan.turn,
             stream_before_reply=transcript.token_count + len(plan.closing) + len(plan.turn),
             rendering=plan.rendering,
         )
-
-    def _demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
-        if self.engine.rope_layout is not None:
-            return demote_by_rotation(cache, demote, self.engine.rope_layout)
-        # RoPE whose rotations do not compose or whose layout is not known: recompute the kept
-        # layers at their new positions instead of approximating.
-        kept = kept_layers(cache, demote)
-        ids = [i for span, off in kept for i in cache.own_token_ids[off : off + span.token_count]]
-        spans, position = [], cache.base_tokens
-        for span, _ in kept:
-            spans.append(replace(span, position_start=position))
-            position += span.token_count
-        fresh = self.engine.empty_cache(cache.base)
-        if not ids:
-            return fresh
-        working = fresh.to_working_cache(len(ids))
-        self.engine.prefill(working, ids)
-        return fresh.after_turn(working, ids, spans)
 
     # -- rebuild -------------------------------------------------------------------------------
 
@@ -340,6 +286,12 @@ class TurnRunner:
             kind = LayerKind.BASE if index in transcript.pinned else LayerKind.TURN
             past_spans.append(LayerSpan(kind, index, starts[index + 1] - starts[index], starts[index], starts[index]))
         new_turn = tuple(ids[starts[-1] :])
+        if self.window.policy == "attention" and self.reuse_kv:
+            by_attention = self._rebuild_by_attention(
+                tenant_id, session_id, transcript, conversation, past_spans, new_turn, params
+            )
+            if by_attention is not None:
+                return by_attention
         window = self._plan_window(past_spans, base_tokens, TurnPlan((), new_turn), params)
         dropped = {span.original_start for span in window.demote}
         kept = [span for span in past_spans if span.original_start not in dropped]
@@ -383,15 +335,82 @@ class TurnRunner:
             pending_base=pending_base,
         )
 
+    def _rebuild_by_attention(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        conversation: ConversationTokens,
+        past_spans: list[LayerSpan],
+        new_turn: tuple[int, ...],
+        params: SamplingParams,
+    ) -> _Prepared | None:
+        """The rebuild under the `attention` policy: the past that stays is prefilled here, at
+        once, and then fitted into the budget by the same scoring and per-head eviction as a reuse
+        turn, so a rebuild (after a restart without a stored cache, or positions that outgrew the
+        model) keeps the tokens attention uses instead of dropping whole turns down to the budget.
+
+        Kept keys keep their positions, so what the rebuild keeps also spends positions: whole
+        oldest turns still go until the turn fits half-way between the budget and the model's
+        position limit. Half of the positions above the budget hold older turns (by attention),
+        half are left for the turns that follow before the next rebuild.
+
+        Returns `None` when nothing needs evicting (the plain rebuild then does the same work in
+        the turn's own prefill), or when eviction cannot make the turn fit (the plain rebuild
+        drops whole turns, or raises `ContextTooLong`)."""
+        ids, base_tokens, starts = conversation.token_ids, conversation.base_tokens, conversation.turn_starts
+        budget = self.window.budget_tokens
+        positions = budget + max(0, self.engine.max_context_tokens - budget) // 2
+        by_positions = replace(self.window, budget_tokens=positions)
+        try:
+            window = by_positions.plan(past_spans, base_tokens, 0, len(new_turn), params.max_new_tokens)
+        except ContextOverflow:
+            return None
+        if window.needed_tokens <= budget:
+            return None
+        dropped = {span.original_start for span in window.demote}
+        base = None
+        base_reused = base_computed = 0
+        if base_tokens:
+            key = self.base_key(tenant_id, session_id, ids[:base_tokens])
+            base, origin = self.tiers.base_layer(tenant_id, key, tuple(ids[:base_tokens]))
+            base_reused, base_computed = (0, base_tokens) if origin == "built" else (base_tokens, 0)
+        cache = self.engine.empty_cache(base)
+        spans: list[LayerSpan] = []
+        past_ids: list[int] = []
+        position = base_tokens
+        for span in past_spans:
+            if span.original_start in dropped:
+                continue
+            past_ids.extend(ids[span.original_start : span.original_start + span.token_count])
+            spans.append(replace(span, position_start=position))
+            position += span.token_count
+        cache = self.fitting.prefill_layers(cache, past_ids, spans)
+        try:
+            fitted = self.fitting.fit(_apply_pins(cache, transcript.pinned), (), new_turn, params.max_new_tokens)
+        except ContextTooLong:  # the recent window alone is too large: whole turns must go
+            return None
+        turn_index = len(transcript.turns)
+        return _Prepared(
+            cache=fitted.cache,
+            prefill=new_turn,
+            spans=(self._turn_span(turn_index, transcript, starts[-1], fitted.cache.next_position),),
+            new_turn_prefill=len(new_turn),
+            reused_tokens=base_reused,
+            base_reused=base_reused,
+            demoted_tokens=window.demoted_tokens + fitted.demoted_tokens,
+            base_computed=base_computed + len(past_ids),
+            user_token_ids=tuple(ids[min(transcript.token_count, starts[-1]) :]),
+            stream_before_reply=len(ids),
+            rendering=conversation.rendering,
+        )
+
     # -- shared --------------------------------------------------------------------------------
 
     def _plan_window(
         self, layers: Sequence[LayerSpan], base_tokens: int, plan: TurnPlan, params: SamplingParams
     ) -> WindowPlan:
-        try:
-            return self.window.plan(layers, base_tokens, len(plan.closing), len(plan.turn), params.max_new_tokens)
-        except ContextOverflow as exc:
-            raise ContextTooLong(exc.needed_tokens, exc.budget_tokens) from None
+        return self.fitting.plan_layers(layers, base_tokens, len(plan.closing), len(plan.turn), params.max_new_tokens)
 
     def _turn_span(self, turn_index: int, transcript: Transcript, original_start: int, position: int) -> LayerSpan:
         kind = LayerKind.BASE if turn_index in transcript.pinned else LayerKind.TURN

@@ -111,6 +111,9 @@ class DiskBlobStore(Generic[K]):
         model_fingerprint: recorded with each row; rows of other fingerprints are invalidated by
             `reconcile`.
         key_factory: builds a key from `(tenant_id, name)`.
+        location: whose disk this is in `cache_blobs` (a replica's id; `""` for a single
+            process): `reconcile` looks only at this location's rows, so replicas sharing one
+            database never drop each other's.
     """
 
     def __init__(
@@ -119,8 +122,10 @@ class DiskBlobStore(Generic[K]):
         metadata: MetadataStore,
         model_fingerprint: str,
         key_factory: Callable[[str, str], K],
+        location: str = "",
     ) -> None:
         self.root = root
+        self.location = location
         self._metadata = metadata
         self._fingerprint = model_fingerprint
         self._key_factory = key_factory
@@ -149,6 +154,7 @@ class DiskBlobStore(Generic[K]):
                 nbytes=len(blob),
                 checksum=hashlib.sha256(blob).hexdigest(),
                 model_fingerprint=self._fingerprint,
+                location=self.location,
             )
             if not recorded:
                 # Its session or tenant was deleted meanwhile: the blob is not wanted any more.
@@ -175,7 +181,7 @@ class DiskBlobStore(Generic[K]):
                 return
             with contextlib.suppress(FileNotFoundError):
                 self.path_for(key).unlink()
-            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name)
+            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=self.location)
 
     def contains(self, key: K) -> bool:
         with self._lock:
@@ -205,7 +211,7 @@ class DiskBlobStore(Generic[K]):
         the folder is dropped and counted in `damaged_at_start`.
         """
         with self._lock:
-            rows = {(r.tenant_id, r.name): r for r in self._metadata.list_blobs()}
+            rows = {(r.tenant_id, r.name): r for r in self._metadata.list_blobs(location=self.location)}
             self._sizes.clear()
             self.damaged_at_start = 0
             kept: list[K] = []
@@ -224,7 +230,7 @@ class DiskBlobStore(Generic[K]):
                     )
                     with contextlib.suppress(FileNotFoundError, ValueError):
                         self.path_for(key).unlink()
-                    self._metadata.delete_blob(tenant_id=tenant_id, name=name)
+                    self._metadata.delete_blob(tenant_id=tenant_id, name=name, location=self.location)
                     continue
                 size = (self.root / row.path).stat().st_size
                 if size != row.nbytes:
@@ -274,6 +280,7 @@ class DiskBlobStore(Generic[K]):
             nbytes=len(data),
             checksum=hashlib.sha256(data).hexdigest(),
             model_fingerprint=self._fingerprint,
+            location=self.location,
         )
 
     def _row_problem(self, relative: str, fingerprint: str) -> str | None:

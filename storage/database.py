@@ -19,6 +19,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+MIGRATION_LOCK_ID = 0x63686174_6B76
+"""PostgreSQL advisory lock key that serialises migrations of replicas sharing one database."""
 ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
 
 
@@ -26,12 +28,15 @@ def make_engine(url: str) -> Engine:
     """An engine for `url`; for SQLite, creates the parent folder and turns on WAL and foreign keys.
 
     Raises:
-        ValueError: if `url` is not a valid SQLAlchemy URL.
+        ValueError: if `url` is not a valid SQLAlchemy URL, or names neither SQLite nor PostgreSQL.
     """
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise ValueError(f"not a database URL: {url!r}") from exc
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        # The blob rows are written with an upsert, which SQLAlchemy spells per dialect.
+        raise ValueError(f"chatkv's database is SQLite or PostgreSQL, not {parsed.get_backend_name()}: {url!r}")
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             path = Path(parsed.database).expanduser()
@@ -84,6 +89,10 @@ def upgrade(url: str, engine: Engine | None = None) -> None:
     if engine is None:
         engine = make_engine(url)
     with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            # Replicas starting together would otherwise race to create the same tables; the lock
+            # is held until this transaction commits, so the second one finds the schema current.
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})")
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
 

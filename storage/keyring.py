@@ -99,7 +99,10 @@ def load_master_key(home: Path, env_value: str | None, in_use: set[str] | None =
     database commit, `master.key.next` holds the key they name, and it is moved into place.
 
     Raises:
-        BadMasterKey: if the value or file does not hold 32 base64-encoded bytes.
+        BadMasterKey: if the value or file does not hold 32 base64-encoded bytes, or if there is
+            neither and `in_use` is not empty: a new key would wrap nothing the database holds
+            (a replica or CLI started without the deployment's `CHATKV_MASTER_KEY`, or a home
+            whose key file was lost), so none is created.
     """
     if env_value:
         raw = parse_master_key(env_value)
@@ -112,6 +115,12 @@ def load_master_key(home: Path, env_value: str | None, in_use: set[str] | None =
             staged.replace(path)
         else:
             staged.unlink()
+    if not path.exists() and in_use:
+        raise BadMasterKey(
+            f"no master key in CHATKV_MASTER_KEY or {path}, and the database's tenants are wrapped by "
+            f"master key id {', '.join(sorted(in_use))}: set CHATKV_MASTER_KEY to that key (every replica "
+            "and CLI sharing the database needs it)"
+        )
     if not path.exists():
         home.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):

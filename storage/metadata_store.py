@@ -13,23 +13,18 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage.errors import AlreadyExists
 from storage.history_digest import extend_digest, history_digest
+from storage.replica_store import OwnerToken, check_owner
 from storage.schema import CacheBlobRow, MessageRow, SessionRow, TenantRow, utcnow
 
 MessageValues = tuple[str, str, Sequence[int]]
 """A message to store: `(role, text, token_ids)`."""
 MAX_HISTORY_MATCHES = 8
-
-
-class StorageError(Exception):
-    """Base class of storage failures that callers translate into domain errors."""
-
-
-class AlreadyExists(StorageError):
-    """A unique name is taken."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +74,7 @@ class BlobRecord:
     checksum: str
     model_fingerprint: str
     created_at: datetime
+    location: str = ""
 
 
 def _token_ids(value: object) -> tuple[int, ...]:
@@ -129,6 +125,7 @@ def _blob(row: CacheBlobRow) -> BlobRecord:
         checksum=row.checksum,
         model_fingerprint=row.model_fingerprint,
         created_at=row.created_at,
+        location=row.location,
     )
 
 
@@ -336,14 +333,18 @@ class MetadataStore:
         model_fingerprint: str,
         ttft_s: float | None,
         returned_texts: tuple[str, str] | None = None,
+        owner: OwnerToken | None = None,
     ) -> int:
         """Append `(role, text, token_ids)` messages (one turn: user, assistant) and update the
         session, in one transaction: its token count, last activity, and its history digest, which
         is extended by `returned_texts` (the user text and the reply as the client received it;
         default the stored texts) unless it is NULL.
 
+        With `owner` (replicas sharing the database), the turn is stored only while that lease
+        still holds the session (`storage.replica_store.check_owner`).
+
         Returns the index of the first appended message. Raises `KeyError` if the session does not
-        exist for this tenant (deleted while the turn ran).
+        exist for this tenant (deleted while the turn ran), `OwnershipLost` if `owner` lost it.
         """
         turns = [returned_texts] if returned_texts is not None else _turn_texts(messages)
         now = utcnow()
@@ -356,6 +357,8 @@ class MetadataStore:
             values["last_ttft_s"] = ttft_s
         try:
             with self._unit() as db:
+                if owner is not None:
+                    check_owner(db, session_id=session_id, token=owner)
                 # A conditional UPDATE first: it takes the row's write lock on every backend (SQLite
                 # ignores FOR UPDATE) and tells whether the session still exists for this tenant.
                 updated = db.execute(
@@ -421,38 +424,70 @@ class MetadataStore:
         nbytes: int,
         checksum: str,
         model_fingerprint: str,
+        location: str = "",
     ) -> bool:
-        """Insert or replace the row of blob `(tenant_id, name)`. Returns `False` (and writes
-        nothing) if its tenant or session no longer exists."""
+        """Insert or replace the row of blob `(tenant_id, name)` at `location` (a replica's disk:
+        its id, `""` for a single process; the shared tier: `"redis"`). Returns `False` (and
+        writes nothing) if its tenant or session no longer exists.
+
+        One upsert (`INSERT … ON CONFLICT DO UPDATE`), so two writers of the same blob at once
+        (a write-back and a hand-over publishing one session) both succeed: with a delete and an
+        insert, the loser's unique-key violation read as "its session is gone", and its caller
+        deleted the value the winner had just recorded."""
+        values = {
+            "tenant_id": tenant_id,
+            "session_id": session_id,
+            "name": name,
+            "tier": tier,
+            "path": path,
+            "nbytes": nbytes,
+            "checksum": checksum,
+            "model_fingerprint": model_fingerprint,
+            "created_at": utcnow(),
+            "location": location,
+        }
+        unique = ("tenant_id", "name", "location")
+        statement: postgresql.Insert | sqlite.Insert
+        if self.engine.dialect.name == "postgresql":
+            statement = postgresql.insert(CacheBlobRow).values(**values)
+        else:  # `make_engine` admits SQLite and PostgreSQL only
+            statement = sqlite.insert(CacheBlobRow).values(**values)
+        upsert = statement.on_conflict_do_update(
+            index_elements=unique, set_={c: statement.excluded[c] for c in values if c not in unique}
+        )
         try:
             with self._unit() as db:
-                db.execute(delete(CacheBlobRow).where(CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name))
-                db.add(
-                    CacheBlobRow(
-                        tenant_id=tenant_id,
-                        session_id=session_id,
-                        name=name,
-                        tier=tier,
-                        path=path,
-                        nbytes=nbytes,
-                        checksum=checksum,
-                        model_fingerprint=model_fingerprint,
-                        created_at=utcnow(),
-                    )
-                )
-        except IntegrityError:
+                db.execute(upsert)
+        except IntegrityError:  # the foreign keys: its tenant or session was deleted
             return False
         return True
 
-    def delete_blob(self, *, tenant_id: str, name: str) -> None:
+    def delete_blob(self, *, tenant_id: str, name: str, location: str = "") -> None:
         with self._unit() as db:
-            db.execute(delete(CacheBlobRow).where(CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name))
+            db.execute(
+                delete(CacheBlobRow).where(
+                    CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name, CacheBlobRow.location == location
+                )
+            )
 
-    def list_blobs(self, *, tenant_id: str | None = None) -> list[BlobRecord]:
+    def get_blob(self, *, tenant_id: str, name: str, location: str = "") -> BlobRecord | None:
+        """The row of blob `(tenant_id, name)` at `location`, or `None`."""
         with self._unit() as db:
-            query = select(CacheBlobRow).order_by(CacheBlobRow.created_at)
+            row = db.scalars(
+                select(CacheBlobRow).where(
+                    CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name, CacheBlobRow.location == location
+                )
+            ).first()
+            return None if row is None else _blob(row)
+
+    def list_blobs(self, *, tenant_id: str | None = None, location: str | None = "") -> list[BlobRecord]:
+        """Blob rows, oldest first: at `location` (default a single process's disk; `None`: all)."""
+        with self._unit() as db:
+            query = select(CacheBlobRow).order_by(CacheBlobRow.created_at, CacheBlobRow.id)
             if tenant_id is not None:
                 query = query.where(CacheBlobRow.tenant_id == tenant_id)
+            if location is not None:
+                query = query.where(CacheBlobRow.location == location)
             return [_blob(row) for row in db.scalars(query)]
 
 

@@ -112,10 +112,13 @@ class MessageRow(Base):
 
 
 class CacheBlobRow(Base):
-    """A sealed cache blob on disk: a session's cache, or a shared base layer (`session_id` null)."""
+    """A sealed cache blob in a lower tier: a session's cache, or a shared base layer (`session_id`
+    null). `location` says whose copy it is: a replica's own disk (its replica id; `""` for a
+    single process) or the shared Redis tier (`"redis"`), so replicas sharing one database never
+    mistake another replica's files for their own."""
 
     __tablename__ = "cache_blobs"
-    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_cache_blobs_tenant_name"),)
+    __table_args__ = (UniqueConstraint("tenant_id", "name", "location", name="uq_cache_blobs_tenant_name_location"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -130,3 +133,48 @@ class CacheBlobRow(Base):
     """SHA-256 of the sealed bytes as written."""
     model_fingerprint: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    location: Mapped[str] = mapped_column(String(64), default="", server_default="")
+
+
+class ReplicaRow(Base):
+    """A `chatkv serve` process sharing this database: registered at start, heartbeat while it lives."""
+
+    __tablename__ = "replicas"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    url: Mapped[str] = mapped_column(String(512))
+    hostname: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_unix_s: Mapped[float] = mapped_column(Float)
+    """The same instant as `heartbeat_at` in Unix seconds, compared with `session_owners.expires_unix_s`."""
+    cache_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Bytes of session caches this replica holds in its device, host and disk tiers."""
+    incarnation: Mapped[str | None] = mapped_column(String(32), default=None)
+    """Random per process: tells a restarted process, or a second one started with the same id,
+    from the one that registered."""
+
+
+class SessionOwnerRow(Base):
+    """The ownership lease of a session: the one replica allowed to run its turns.
+
+    `replica_id` is NULL while nobody holds it. `epoch` grows by one on every take-over and fences
+    a turn's commit (`MetadataStore.record_turn` checks it), so a replica that lost its lease while
+    a turn ran cannot store that turn. `last_owner` is the replica that held it most recently: a
+    replica taking a session back after another held it knows its own local copies are stale.
+    """
+
+    __tablename__ = "session_owners"
+
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    replica_id: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    expires_unix_s: Mapped[float] = mapped_column(Float, default=0.0)
+    last_owner: Mapped[str | None] = mapped_column(String(64), default=None)
+    wanted_by: Mapped[str | None] = mapped_column(String(64), default=None)
+    """A replica waiting for this session: the owner hands it over as soon as it is idle."""
+    incarnation: Mapped[str | None] = mapped_column(String(32), default=None)
+    """The incarnation (`ReplicaRow.incarnation`) of the process holding the lease: only that
+    process renews it, takes it again without a new epoch, and commits under it."""

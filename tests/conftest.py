@@ -1,23 +1,29 @@
 """Shared fixtures: the real default model (converted once into a cache that survives test runs),
 a tiny randomly initialised model of the same architecture and tokenizer, and managers on
-temporary chatkv homes with real SQLite files and real encryption."""
+temporary chatkv homes with real SQLite files and real encryption; real Redis servers (the machine's,
+a private one to kill, and a three-master Redis Cluster)."""
 
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.model_source import converted_default_dir, load_model
 from sessions.settings import Settings
+from tests import redis_servers
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("CHATKV_TEST_MODEL_CACHE", REPO / ".cache" / "models"))
+REDIS_ENV = "CHATKV_TEST_REDIS_URL"
+REDIS_CLUSTER_ENV = "CHATKV_TEST_REDIS_CLUSTER_URL"
 MASTER_KEY = "Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE="  # base64 of 32 bytes, tests only
 
 
@@ -65,6 +71,14 @@ def tiny_engine(tiny_model_dir: Path) -> Engine:
     return Engine(load_model(str(tiny_model_dir), MODEL_CACHE, "cpu", "float32"))
 
 
+def cli_environment(**variables: str) -> dict[str, str | None]:
+    """An environment for `CliRunner.invoke(env=...)`: every `CHATKV_*` variable of the shell that
+    runs the tests unset, then `variables` set."""
+    env: dict[str, str | None] = {name: None for name in os.environ if name.startswith("CHATKV_")}
+    env.update(variables)
+    return env
+
+
 def make_settings(home: Path, **overrides: object) -> Settings:
     """Settings on a temporary home with a fixed master key; budgets default to generous values."""
     values: dict[str, object] = {
@@ -89,3 +103,72 @@ def tiny_manager(tmp_path: Path, tiny_engine: Engine) -> Iterator[SessionManager
 def real_manager(tmp_path: Path, real_engine: Engine) -> Iterator[SessionManager]:
     with SessionManager(make_settings(tmp_path / "home"), engine=real_engine) as manager:
         yield manager
+
+
+# -- Redis -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The shared Redis (`CHATKV_TEST_REDIS_URL`, default the machine's 127.0.0.1:6379); tests
+    write only under their own `redis_prefix`. Skips if it does not answer."""
+    url = os.environ.get(REDIS_ENV, "redis://127.0.0.1:6379/0")
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as exc:
+        pytest.skip(f"Redis run skipped: {url} does not answer ({exc})")
+    finally:
+        client.close()
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """A three-master Redis Cluster: `CHATKV_TEST_REDIS_CLUSTER_URL` (`.ci/run` starts one), else
+    one started here for the test session."""
+    url = os.environ.get(REDIS_CLUSTER_ENV)
+    if url:
+        yield url
+        return
+    if redis_servers.redis_server_binary() is None:
+        pytest.skip(f"Redis Cluster run skipped: no redis-server binary and {REDIS_CLUSTER_ENV} is not set")
+    cluster = redis_servers.start_cluster()
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+def _unique_prefix(url: str, cluster: bool) -> Iterator[str]:
+    prefix = f"ckvtest-{secrets.token_hex(6)}"
+    yield prefix
+    client = redis.RedisCluster.from_url(url) if cluster else redis.Redis.from_url(url)
+    try:
+        redis_servers.delete_prefixed(client, prefix)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test alone (`ckvtest-<hex>`); its keys on `redis_url` are deleted after."""
+    yield from _unique_prefix(redis_url, cluster=False)
+
+
+@pytest.fixture
+def redis_cluster_prefix(redis_cluster_url: str) -> Iterator[str]:
+    """Like `redis_prefix`, on the Redis Cluster."""
+    yield from _unique_prefix(redis_cluster_url, cluster=True)
+
+
+@pytest.fixture
+def private_redis() -> Iterator[redis_servers.RedisServer]:
+    """A standalone redis-server of this test alone, free to kill, stop or flush."""
+    if redis_servers.redis_server_binary() is None:
+        pytest.skip("private Redis skipped: no redis-server binary")
+    server = redis_servers.start_server()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,7 +1,7 @@
 """Packing one step's requests into one forward pass, and the attention function that keeps them apart.
 
 All new tokens of a step form one row, `input_ids [1, T]`; each request keeps its own RoPE
-positions (`position_ids [1, T]`: its cache length onwards, re-rotated positions included) and its
+positions (`position_ids [1, T]`: its next position onwards, `PreallocatedLayer.next_position`) and its
 own contiguous KV buffer (`PreallocatedLayer`, per model layer). In every attention layer:
 
     query  [1, heads, T, head_dim]    | req A: 1 token | req B: 1 token | req C: 40-token prefill chunk |
@@ -92,13 +92,14 @@ def pack(
         if not token_ids:
             raise ValueError("a chunk needs at least one token")
         cached = layers[0].get_seq_length()
+        first_position = layers[0].next_position  # past `cached` when tokens were evicted
         n = len(token_ids)
         mask = None
         if n > 1:
             mask = torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(diagonal=cached)
         segments.append(Segment(len(ids), n, layers, mask))
         ids.extend(token_ids)
-        positions.extend(range(cached, cached + n))
+        positions.extend(range(first_position, first_position + n))
         if samples:
             sampled.append(len(ids) - 1)
     return PackedBatch(
@@ -154,6 +155,8 @@ def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> C
         for segment in batch.segments:
             layer = segment.layers[layer_idx]
             q = query[:, :, segment.start : segment.start + segment.length]  # [1, heads, n, head_dim]
+            if layer.query_observer is not None:
+                layer.query_observer(q, scaling)
             outputs.append(
                 F.scaled_dot_product_attention(
                     q, layer.filled_keys, layer.filled_values, attn_mask=segment.mask, scale=scaling, enable_gqa=True

@@ -166,7 +166,8 @@ class EngineLoop:
                 continue
             try:
                 request.working = _build_working(request)
-            # Building one buffer can fail (out of memory): that fails this request only.
+            # A per-request boundary: whatever building this request's buffer raises (out of memory,
+            # a bad shape from a bug) fails this request only, never the loop or the other requests.
             except Exception as exc:  # noqa: BLE001
                 log.warning("request %s: its KV buffer could not be built: %s", request.id, exc)
                 self._finish(request, error=exc)

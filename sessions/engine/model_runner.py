@@ -122,8 +122,8 @@ class Engine:
         return out.logits[0]
 
     def prefill(self, cache: WorkingCache, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run `token_ids` through the model on top of `cache` (positions continue from the cache
-        length) and return the `[vocab]` logits of the last one. Waits for the engine loop.
+        """Run `token_ids` through the model on top of `cache` (positions continue from its
+        `next_position`) and return the `[vocab]` logits of the last one. Waits for the engine loop.
 
         Raises:
             ValueError: if `token_ids` is empty.

@@ -23,12 +23,15 @@ from app.cli import app
 from cache.serialization import FORMAT_VERSION
 from sessions.engine import Engine
 from sessions.manager import SessionManager
-from storage.database import head_revision, make_engine
+from sessions.ownership import SessionOwnership
+from storage.database import head_revision, make_engine, upgrade
 from storage.home_lock import program_name
 from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, open_sealed, parse_master_key
 from storage.metadata_store import MetadataStore
+from storage.replica_store import ReplicaStore
 from storage.schema import SessionRow
-from tests.conftest import MASTER_KEY, MODEL_CACHE, make_settings
+from tests.app.server_process import free_port
+from tests.conftest import MASTER_KEY, MODEL_CACHE, cli_environment, make_settings
 
 
 @pytest.fixture
@@ -39,14 +42,12 @@ def home(tmp_path: Path) -> Path:
 @pytest.fixture
 def cli_env(home: Path, tiny_model_dir: Path) -> dict[str, str | None]:
     """The CLI's environment: the tiny model, the test master key, nothing inherited from `CHATKV_*`."""
-    env: dict[str, str | None] = {name: None for name in os.environ if name.startswith("CHATKV_")}
-    env.update(
+    return cli_environment(
         CHATKV_HOME=str(home),
         CHATKV_MODEL=str(tiny_model_dir),
         CHATKV_MODEL_CACHE_DIR=str(MODEL_CACHE),
         CHATKV_MASTER_KEY=MASTER_KEY,
     )
-    return env
 
 
 class Cli:
@@ -224,6 +225,8 @@ def test_evict_drop_and_delete(cli: Cli, home: Path, tiny_engine: Engine) -> Non
     assert cli.ok("sessions", "evict", sid, "--tenant", "acme", "--to", "drop").stdout == f"{sid}: dropped\n"
     assert [s["tier"] for s in cli.json("sessions", "list")] == [None]
     assert not list((home / "blobs").rglob(f"{sid}.ckv"))
+    nothing = cli.ok("sessions", "evict", sid, "--tenant", "acme", "--to", "disk").stdout
+    assert nothing == f"{sid}: no cache stored here; the next turn rebuilds it from the transcript\n"
     declined = cli("sessions", "delete", sid, "--tenant", "acme", input="n\n")
     assert declined.exit_code == 1 and declined.stderr == "cancelled\n"
     assert f"Delete session {sid} of tenant acme, 2 turns, for good?" in declined.stdout
@@ -286,8 +289,79 @@ def test_bad_settings_exit_2(cli: Cli) -> None:
     assert "CHATKV_HOST_BUDGET_BYTES" in assert_one_line_error(result)
     assert "device must be" in assert_one_line_error(cli("tenants", "create", "x", CHATKV_DEVICE="foo"))
     assert "not a database URL" in assert_one_line_error(cli("tenants", "list", CHATKV_DATABASE_URL="notaurl"))
-    assert "no database driver" in assert_one_line_error(cli("tenants", "list", CHATKV_DATABASE_URL="mysql://u@h/db"))
+    assert "SQLite or PostgreSQL" in assert_one_line_error(cli("tenants", "list", CHATKV_DATABASE_URL="mysql://u@h/db"))
     assert "too long" in assert_one_line_error(cli("gc", "--dry-run", CHATKV_SESSION_RETENTION_S="99999999999d"))
+
+
+def test_replica_start_up_failures_exit_with_one_line(
+    cli: Cli, tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """An unreachable Redis Cluster (its slot map is read at start-up) exits 1; a replica id that a
+    live process heartbeats under exits 2 after one lease of waiting."""
+    closed = f"redis://127.0.0.1:{free_port()}/0"
+    message = assert_one_line_error(
+        cli("tenants", "create", "acme", CHATKV_REDIS_URL=closed, CHATKV_REDIS_CLUSTER="1"), code=1
+    )
+    assert message.startswith("error: redis: Redis Cluster at") and "does not answer" in message
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    engine = make_engine(url)
+    upgrade(url, engine)
+    live = SessionOwnership(
+        ReplicaStore(engine),
+        replica_id="r_dup",
+        url="http://elsewhere:7860",
+        lease_s=1.0,
+        wait_s=0.0,
+        idle_s=60.0,
+        publish=lambda key: True,
+        invalidate=lambda key: None,
+        cache_bytes=lambda: 0,
+    )
+    live.start()
+    try:
+        duplicate = cli(
+            "tenants",
+            "create",
+            "acme",
+            CHATKV_DATABASE_URL=url,
+            CHATKV_REDIS_URL=redis_url,
+            CHATKV_REDIS_PREFIX=redis_prefix,
+            CHATKV_REPLICA_ID="r_dup",
+            CHATKV_OWNERSHIP_LEASE_S="1",
+        )
+        assert "replica id r_dup is in use by a live process" in assert_one_line_error(duplicate, code=2)
+        copied = tmp_path / "copied-home"  # a copy of the live replica's home: its replica.id too
+        copied.mkdir()
+        (copied / "replica.id").write_text("r_dup\n")
+        from_file = cli(
+            "tenants",
+            "create",
+            "acme",
+            CHATKV_HOME=str(copied),
+            CHATKV_DATABASE_URL=url,
+            CHATKV_REDIS_URL=redis_url,
+            CHATKV_REDIS_PREFIX=redis_prefix,
+            CHATKV_OWNERSHIP_LEASE_S="1",
+        )
+        message = assert_one_line_error(from_file, code=2)
+        assert "looks copied" in message and "delete that file" in message and str(copied / "replica.id") in message
+    finally:
+        live.close()
+        engine.dispose()
+
+
+def test_a_home_without_the_deployments_master_key_is_refused_not_given_a_new_one(cli: Cli, tmp_path: Path) -> None:
+    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+    assert cli("tenants", "create", "acme", CHATKV_DATABASE_URL=shared).exit_code == 0
+    other_home = tmp_path / "other-home"
+    refused = cli(
+        "tenants", "create", "beta", CHATKV_DATABASE_URL=shared, CHATKV_HOME=str(other_home), CHATKV_MASTER_KEY=None
+    )
+    message = assert_one_line_error(refused)
+    assert "no master key" in message and "set CHATKV_MASTER_KEY" in message
+    assert not (other_home / "master.key").exists()  # no key made that would wrap beta's data key alone
+    listed = cli("tenants", "list", "--json", CHATKV_DATABASE_URL=shared, CHATKV_HOME=str(other_home))
+    assert listed.exit_code == 0 and "beta" not in listed.stdout and "acme" in listed.stdout
 
 
 def test_missing_model_exits_1(cli: Cli, tmp_path: Path) -> None:
@@ -491,7 +565,8 @@ def test_help_shows_no_value_for_flags_and_one_line_per_paragraph(cli: Cli) -> N
     # The terminal wraps each paragraph; no source line break cuts a sentence.
     wide = cli("sessions", "inspect", "--help", COLUMNS="400").stdout
     assert (
-        "The layer table has one row per layer: kind (base or turn), turn, tokens, RoPE positions (a half-open" in wide
+        "The layer table has one row per layer: kind (base or turn), turn, tokens held per KV head, tokens evicted"
+        in wide
     )
     assert "Alias of `sessions inspect`." in cli("sessions", "show", "--help", COLUMNS="200").stdout
 

@@ -97,6 +97,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_
     # A requested shutdown is a success; caches persisted and the lock released.
     assert process.returncode == 0, log.read_text()
     assert not (home / "server.lock").exists(), log.read_text()
+    # The operator sees the shutdown in the log, not just the process gone.
+    assert log.read_text().splitlines()[-2:] == [
+        "INFO app.server: chatkv stopping: finishing the turns in flight, then persisting caches",
+        "INFO app.server: chatkv stopped",
+    ], log.read_text()
 
 
 def chatkv(server: Server, *args: str, via_server: bool = True) -> subprocess.CompletedProcess[str]:

@@ -20,13 +20,12 @@ from app.ui import (
     ChatUI,
     View,
     ViewState,
-    _ago,
-    _error_html,
-    _note_html,
 )
+from app.ui_render import error_html, note_html
+from app.ui_sessions import ago
 from sessions.manager import SessionManager
 
-UNKNOWN_KEY_HTML = _error_html(UNKNOWN_KEY_MESSAGE)
+UNKNOWN_KEY_HTML = error_html(UNKNOWN_KEY_MESSAGE)
 
 
 def _stat(view: View, name: str) -> str:
@@ -72,7 +71,7 @@ def test_wrong_and_unknown_keys_get_the_same_answer(tiny_manager: SessionManager
         assert view.main_panel["visible"] is False
         assert view.api_key == ""
     for empty in ("", "   "):
-        assert ui.login(empty, ViewState()).login_message == _error_html(EMPTY_KEY_MESSAGE)
+        assert ui.login(empty, ViewState()).login_message == error_html(EMPTY_KEY_MESSAGE)
     view = ui.login(f"  {key} ", ViewState())
     assert view.state.tenant == acme
     assert view.login_message == ""
@@ -92,12 +91,12 @@ def test_a_tenant_key_never_reaches_another_tenants_sessions(tiny_manager: Sessi
     # Another tenant's id (as a crafted client could send) reads exactly like a missing one.
     foreign = ui.select_session(beta_sid, state)
     missing = ui.select_session("s_000000000000000000000000", state)
-    assert foreign.error_line == _error_html(f"session not found: {beta_sid}")
-    assert missing.error_line == _error_html("session not found: s_000000000000000000000000")
+    assert foreign.error_line == error_html(f"session not found: {beta_sid}")
+    assert missing.error_line == error_html("session not found: s_000000000000000000000000")
     assert foreign.state == state
     assert foreign.chatbot == {"__type__": "update"}
     views = _send(ui, replace(state, session_id=beta_sid), "hi")
-    assert [v.error_line for v in views][-1] == _error_html(f"session not found: {beta_sid}")
+    assert [v.error_line for v in views][-1] == error_html(f"session not found: {beta_sid}")
     assert tiny_manager.history(beta, beta_sid) == []
 
 
@@ -204,11 +203,11 @@ def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: Sess
     assert tiny_manager.history(LOCAL_TENANT, state.session_id) == []
 
     title = ui.new_session("x" * 201, "", state)
-    assert title.error_line == _error_html("title longer than 200 characters")
+    assert title.error_line == error_html("title longer than 200 characters")
     assert title.state == state
 
     empty = _send(ui, state, "   ")
-    assert [v.error_line for v in empty] == [_error_html("type a message first")]
+    assert [v.error_line for v in empty] == [error_html("type a message first")]
 
 
 @pytest.mark.parametrize(
@@ -226,7 +225,7 @@ def test_slider_values_that_are_not_finite_numbers_are_one_line_errors(
     ui = ChatUI(tiny_manager, local=True)
     state = ui.on_load(ViewState()).state
     [view] = ui.send("hi", max_new_tokens, temperature, state)
-    assert view.error_line == _error_html(message)
+    assert view.error_line == error_html(message)
     assert view.state == state  # no session started
     assert tiny_manager.list_sessions(LOCAL_TENANT) == []
 
@@ -242,7 +241,7 @@ def test_a_second_turn_in_flight_on_the_session_is_refused(tiny_manager: Session
         busy = _send(ui, state, "second")[-1]
     finally:
         in_flight.close()
-    assert busy.error_line == _error_html(f"session {state.session_id} has a turn in flight; wait for its reply")
+    assert busy.error_line == error_html(f"session {state.session_id} has a turn in flight; wait for its reply")
     assert _send(ui, state, "second")[-1].error_line == {"__type__": "update"}
 
 
@@ -250,7 +249,7 @@ def test_signed_out_tabs_can_do_nothing(tiny_manager: SessionManager) -> None:
     tiny_manager.open_session(tiny_manager.create_tenant("acme"))
     ui = ChatUI(tiny_manager, local=False)
     state = ViewState()
-    sign_in_first = _error_html("sign in first")
+    sign_in_first = error_html("sign in first")
     assert [v.error_line for v in _send(ui, state, "hi")] == [sign_in_first]
     assert ui.refresh_sessions(state).error_line == sign_in_first
     assert ui.new_session("t", "", state).error_line == sign_in_first
@@ -458,7 +457,7 @@ def test_stop_discards_the_reply_and_frees_the_session_at_once(tiny_manager: Ses
 
     assert ui.stop(streaming.state) == {"__type__": "update", "visible": True, "interactive": False}
     stopped = list(stream)[-1]
-    assert stopped.reply_note == _note_html(STOPPED_NOTE, kind="stopped")
+    assert stopped.reply_note == note_html(STOPPED_NOTE, kind="stopped")
     assert 'data-note="stopped"' in stopped.reply_note
     assert stopped.state == state  # the partial reply and the message are not on screen
     assert stopped.chatbot == [] and stopped.error_line == ""
@@ -519,7 +518,7 @@ def test_ago_says_how_long_ago_in_a_few_characters() -> None:
         timedelta(days=30): "May 16",
         timedelta(days=400): "2024-05-11",
     }
-    assert {delta: _ago(now - delta, now) for delta in cases} == cases
+    assert {delta: ago(now - delta, now) for delta in cases} == cases
 
 
 def test_picker_labels_are_short_and_say_how_recent(tiny_manager: SessionManager) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cache.tier_manager import LeaseHeld
-from cache.tiers import BlobRejected, Tier
+from cache.tiers import LOCAL_TIERS, BlobRejected, Tier
 from sessions.chat_template import PastTurn
 from sessions.engine import Engine
 from sessions.errors import SessionBusy, SessionNotFound
@@ -82,7 +82,7 @@ def placements(manager: SessionManager, tenant_id: str, sids: Sequence[str]) -> 
 
 def assert_within_budgets(manager: SessionManager) -> None:
     usage = manager.tiers.usage()
-    for tier in Tier:
+    for tier in LOCAL_TIERS:
         assert usage.bytes[tier] <= usage.budgets[tier], f"{tier} holds {usage.bytes[tier]} > {usage.budgets[tier]}"
 
 

@@ -28,6 +28,9 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "persist": ("on_evict", "on_evict"),
     "master_key": ("Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE=", "Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE="),
     "context_budget_tokens": ("1024", 1024),
+    "window_policy": ("attention", "attention"),
+    "window_recent_tokens": ("48", 48),
+    "window_observation_tokens": ("16", 16),
     "pin_first_turn": ("yes", True),
     "share_base": ("0", False),
     "offload_precision": ("int8", "int8"),
@@ -41,6 +44,16 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "admin_token": ("s3cret", "s3cret"),
     "session_retention_s": ("30d", 30 * 86400.0),
     "metrics_tenant_labels": ("on", True),
+    "redis_url": ("redis://cache.internal:6379/0", "redis://cache.internal:6379/0"),
+    "redis_cluster": ("yes", True),
+    "redis_ttl_s": ("2d", 2 * 86400.0),
+    "redis_budget_bytes": ("1GiB", 1 << 30),
+    "redis_prefix": ("chatkv-prod", "chatkv-prod"),
+    "replica_id": ("replica-a", "replica-a"),
+    "replica_url": ("http://10.0.0.5:8000", "http://10.0.0.5:8000"),
+    "ownership_lease_s": ("20", 20.0),
+    "ownership_wait_s": ("5", 5.0),
+    "ownership_idle_s": ("2m", 120.0),
 }
 
 
@@ -104,6 +117,53 @@ def test_unset_or_empty_variables_leave_the_declared_defaults(monkeypatch: pytes
         ("CHATKV_PERSIST", "never", "CHATKV_PERSIST: persist must be 'on_evict' or 'write_back', got 'never'"),
         ("CHATKV_SHARE_BASE", "maybe", "CHATKV_SHARE_BASE: not a boolean: 'maybe'"),
         (
+            "CHATKV_WINDOW_POLICY",
+            "h2o",
+            "CHATKV_WINDOW_POLICY: window_policy must be 'turns' or 'attention', got 'h2o'",
+        ),
+        (
+            "CHATKV_WINDOW_RECENT_TOKENS",
+            "-1",
+            "CHATKV_WINDOW_RECENT_TOKENS: window_recent_tokens must be an integer >= 0, got -1",
+        ),
+        (
+            "CHATKV_WINDOW_OBSERVATION_TOKENS",
+            "0",
+            "CHATKV_WINDOW_OBSERVATION_TOKENS: window_observation_tokens must be an integer >= 1, got 0",
+        ),
+        (
+            "CHATKV_CONTEXT_BUDGET_TOKENS",
+            "-64",
+            "CHATKV_CONTEXT_BUDGET_TOKENS: context_budget_tokens must be >= 16, got -64",
+        ),
+        (
+            "CHATKV_REDIS_URL",
+            "localhost:6379",
+            "CHATKV_REDIS_URL: redis_url must be redis://... or rediss://..., got 'localhost:6379'",
+        ),
+        ("CHATKV_REDIS_CLUSTER", "sometimes", "CHATKV_REDIS_CLUSTER: not a boolean: 'sometimes'"),
+        (
+            "CHATKV_REDIS_BUDGET_BYTES",
+            "-5",
+            "CHATKV_REDIS_BUDGET_BYTES: not a byte size: '-5' (examples: 1048576, 512MiB, 2GB)",
+        ),
+        ("CHATKV_REPLICA_ID", "a/b", "CHATKV_REPLICA_ID: replica_id must be 1-32 of A-Z a-z 0-9 _ . -, got 'a/b'"),
+        (
+            "CHATKV_REPLICA_URL",
+            "10.0.0.5:8000",
+            "CHATKV_REPLICA_URL: replica_url must be http(s)://..., got '10.0.0.5:8000'",
+        ),
+        (
+            "CHATKV_OWNERSHIP_LEASE_S",
+            "0.1",
+            "CHATKV_OWNERSHIP_LEASE_S: ownership_lease_s must be in [0.5, 3600] seconds, got 0.1",
+        ),
+        (
+            "CHATKV_OWNERSHIP_WAIT_S",
+            "forever",
+            "CHATKV_OWNERSHIP_WAIT_S: not a duration: 'forever' (examples: 90, 30m, 12h, 7d)",
+        ),
+        (
             "CHATKV_SESSION_RETENTION_S",
             "soon",
             "CHATKV_SESSION_RETENTION_S: not a duration: 'soon' (examples: 90, 30m, 12h, 7d)",
@@ -118,6 +178,15 @@ def test_a_bad_value_names_its_variable(
         with pytest.raises(ValueError) as raised:
             build()
         assert str(raised.value) == message
+
+
+def test_a_recent_window_must_be_below_the_context_budget() -> None:
+    with pytest.raises(
+        ValueError, match=r"^window_recent_tokens must be below context_budget_tokens \(256\), got 256$"
+    ):
+        Settings(context_budget_tokens=256, window_recent_tokens=256, window_policy="attention")
+    assert Settings(context_budget_tokens=256, window_recent_tokens=255, window_policy="attention")
+    assert Settings(context_budget_tokens=32, window_policy="turns")  # the recent window is unused there
 
 
 def test_keyword_values_are_checked_as_before() -> None:

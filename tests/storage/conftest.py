@@ -48,6 +48,18 @@ def postgres_admin() -> Iterator[Engine]:
     engine.dispose()
 
 
+def fresh_schema(admin: Engine) -> Iterator[str]:
+    """The URL of a fresh PostgreSQL schema that the processes of one test share, dropped after."""
+    schema = f"ckv_rep_{secrets.token_hex(6)}"
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield _with_search_path(str(admin.url.render_as_string(hide_password=False)), schema)
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+
+
 def _with_search_path(url: str, schema: str) -> str:
     separator = "&" if "?" in url else "?"
     return f"{url}{separator}options={quote(f'-csearch_path={schema}')}"
@@ -56,14 +68,7 @@ def _with_search_path(url: str, schema: str) -> str:
 @pytest.fixture
 def postgres_url(postgres_admin: Engine) -> Iterator[str]:
     """The URL of a fresh, empty schema on the test server, dropped after the test."""
-    schema = f"ckv_test_{secrets.token_hex(6)}"
-    with postgres_admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield _with_search_path(str(postgres_admin.url.render_as_string(hide_password=False)), schema)
-    finally:
-        with postgres_admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+    yield from fresh_schema(postgres_admin)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -3,6 +3,8 @@ repository keeps tenants apart, stores exact token ids and cache blob rows, and 
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC
 from pathlib import Path
 
@@ -13,11 +15,12 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
 
 from storage.database import alembic_config, current_revision, head_revision, make_engine, upgrade
-from storage.metadata_store import AlreadyExists, MetadataStore
+from storage.errors import AlreadyExists
+from storage.metadata_store import MetadataStore
 from storage.schema import Base
 from tests.storage.conftest import add_session
 
-TABLES = {"alembic_version", "tenants", "sessions", "messages", "cache_blobs"}
+TABLES = {"alembic_version", "tenants", "sessions", "messages", "cache_blobs", "replicas", "session_owners"}
 
 
 def schema_diff(engine: Engine) -> list[object]:
@@ -35,10 +38,10 @@ def test_upgrade_on_an_empty_database_gives_the_models_schema(db_url: str) -> No
         assert current_revision(engine) is None
         upgrade(db_url, engine)
         assert set(inspect(engine).get_table_names()) == TABLES
-        assert current_revision(engine) == head_revision() == "0004"
+        assert current_revision(engine) == head_revision() == "0006"
         assert schema_diff(engine) == []
         upgrade(db_url, engine)  # a second start-up is a no-op
-        assert current_revision(engine) == "0004"
+        assert current_revision(engine) == "0006"
     finally:
         engine.dispose()
 
@@ -74,6 +77,11 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys_on(tmp_path: Path) -> None:
 def test_make_engine_rejects_a_malformed_url() -> None:
     with pytest.raises(ValueError, match="not a database URL"):
         make_engine("no such url")
+
+
+def test_make_engine_rejects_a_database_other_than_sqlite_or_postgresql() -> None:
+    with pytest.raises(ValueError, match="SQLite or PostgreSQL, not mysql"):
+        make_engine("mysql+pymysql://user@127.0.0.1/chatkv")
 
 
 # -- tenants and sessions --------------------------------------------------------------------------
@@ -195,6 +203,26 @@ def test_blob_rows_cascade_with_their_session_and_tenant(metadata: MetadataStore
     assert metadata.delete_tenant(tenant_id="tn_a") is True
     assert [r.name for r in metadata.list_blobs()] == ["s_3"]
     assert metadata.list_sessions(tenant_id="tn_a") == []
+
+
+def test_writers_of_one_blob_row_at_once_all_succeed(metadata: MetadataStore) -> None:
+    # A write-back and a hand-over publish one session's blob at the same instant. With a delete
+    # and an insert, PostgreSQL failed the later insert on the unique key, which read as "the
+    # session is gone" and made the Redis tier delete the value the other had just recorded.
+    add_session(metadata, "tn_a", "s_1")
+    writers = 4
+    for attempt in range(10):
+        start = threading.Barrier(writers)
+
+        def write(nbytes: int, start: threading.Barrier = start) -> bool:
+            start.wait()
+            return put_row(metadata, "tn_a", "s_1", nbytes, "s_1")
+
+        with ThreadPoolExecutor(writers) as pool:
+            results = list(pool.map(write, [100 * attempt + i for i in range(writers)]))
+        assert results == [True] * writers, f"attempt {attempt}"
+        rows = metadata.list_blobs(tenant_id="tn_a")
+        assert len(rows) == 1 and rows[0].nbytes in [100 * attempt + i for i in range(writers)]
 
 
 def test_a_blob_row_needs_an_existing_tenant(metadata: MetadataStore) -> None:

@@ -1,0 +1,93 @@
+"""`chatkv chat`: a terminal REPL on one tenant's session, with the model in this process."""
+
+from __future__ import annotations
+
+from contextlib import closing
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from app.cli_groups import CLIError
+from app.cli_home import domain_errors, home_dir, load_manager, settings_for
+from app.cli_options import TenantOption
+from app.cli_output import count
+from storage.home_lock import describe_owner, read_owner, recovery_hint
+
+if TYPE_CHECKING:
+    from sessions.manager import SessionManager
+    from sessions.records import Reply
+
+
+def chat_command(
+    ctx: typer.Context,
+    tenant: TenantOption,
+    session: Annotated[str | None, typer.Option(help="Continue this session (default: start a new one).")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt of the new session.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply.")] = 256,
+) -> None:
+    """Chat in the terminal with a tenant's session; the model runs in this process.
+
+    Replies stream as they are generated, followed by the turn's TTFT, prefilled and reused tokens
+    and where the cache came from. Type /quit or press Ctrl-D to leave.
+    """
+    home = home_dir(ctx.obj)
+    owner = read_owner(home)
+    if owner is not None:
+        where = f"chat in its UI at {owner.url}" if owner.url else "stop it first"
+        raise CLIError(f"{describe_owner(owner)} holds this home: {where} ({recovery_hint(home, owner)})", 2)
+    if session is not None and system is not None:
+        raise CLIError("--system applies to a new session: omit --session", 2)
+    settings = settings_for(ctx.obj)
+    with domain_errors(), load_manager(settings) as manager:
+        tenant_id = manager.get_tenant(tenant).id
+        if session is None:
+            session = manager.open_session(tenant_id, system_prompt=system)
+            typer.echo(f"session {session} (new)")
+        else:
+            info = manager.session_info(tenant_id, session)
+            turns = count(info.message_count // 2, "turn")
+            typer.echo(f"session {session}: {turns}, cache {info.tier or 'not stored'}")
+        _repl(manager, tenant_id, session, max_new_tokens)
+
+
+def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_tokens: int) -> None:
+    from sessions.errors import ChatKVError
+
+    while True:
+        try:
+            message = input("you> ").strip()
+        except EOFError:
+            typer.echo()
+            return
+        if message in ("/quit", "/exit"):
+            return
+        if not message:
+            continue
+        try:
+            reply = _stream_turn(manager, tenant_id, session_id, message, max_new_tokens)
+        except ChatKVError as exc:  # the REPL survives a rejected message (too long, busy session)
+            typer.echo(f"error: {exc}", err=True)
+            continue
+        s = reply.stats
+        typer.secho(
+            f"ttft {s.ttft_s * 1000:.0f} ms | prefilled {s.prefill_tokens} | reused {s.reused_tokens} | "
+            f"restored from {s.restored_from} | {s.decode_tokens} tokens in {s.decode_s:.2f} s",
+            dim=True,
+        )
+
+
+def _stream_turn(manager: SessionManager, tenant_id: str, session_id: str, message: str, max_new_tokens: int) -> Reply:
+    from sessions.records import Reply
+
+    reply = None
+    # Closed explicitly so that Ctrl-C mid-reply gives the session's lease back at once (nothing is stored).
+    with closing(manager.stream_chat(tenant_id, session_id, message, max_new_tokens=max_new_tokens)) as stream:
+        for item in stream:
+            if isinstance(item, Reply):
+                reply = item
+            else:
+                typer.echo(item, nl=False)
+    typer.echo()
+    if reply is None:
+        raise RuntimeError("bug: stream_chat ended without a reply")
+    return reply

@@ -1,0 +1,62 @@
+"""`chatkv db ...`: the metadata database's schema (Alembic migrations)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import typer
+
+from app.cli_groups import CLIError, CommandGroup
+from app.cli_home import domain_errors, home_dir, settings_for
+from storage.home_lock import check_unlocked
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from sessions.settings import Settings
+
+db_app = typer.Typer(
+    cls=CommandGroup, no_args_is_help=True, help="The metadata database's schema (Alembic migrations)."
+)
+
+
+@contextmanager
+def _database(settings: Settings) -> Iterator[Engine]:
+    from storage.database import make_engine
+
+    try:
+        engine = make_engine(settings.resolved_database_url)
+    except ValueError as exc:  # not a database URL
+        raise CLIError(f"CHATKV_DATABASE_URL: {exc}", 2) from None
+    try:
+        with domain_errors():
+            yield engine
+    finally:
+        engine.dispose()
+
+
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Apply every pending migration to the database."""
+    from storage.database import current_revision, upgrade
+
+    check_unlocked(home_dir(ctx.obj))
+    settings = settings_for(ctx.obj)
+    with _database(settings) as engine:
+        upgrade(settings.resolved_database_url, engine)
+        typer.echo(f"database at revision {current_revision(engine)} (head)")
+
+
+@db_app.command("current")
+def db_current(ctx: typer.Context) -> None:
+    """Print the database's migration revision and the newest one."""
+    from storage.database import current_revision, head_revision
+
+    with _database(settings_for(ctx.obj)) as engine:
+        current, head = current_revision(engine), head_revision()
+    if current == head:
+        typer.echo(f"{current} (head)")
+    else:
+        typer.echo(f"{current or 'empty'} (head is {head}: run `chatkv db upgrade`)")

@@ -1,0 +1,79 @@
+"""Top-level operations commands: `chatkv stats` and `chatkv gc`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from app.cli_home import open_admin
+from app.cli_options import JsonOption, ServerOption
+from app.cli_output import count, duration_text, print_data, print_pairs, print_table, when
+
+if TYPE_CHECKING:
+    from app.admin_ops import Json
+
+
+def _render_stats(stats: Json) -> None:
+    rows = [
+        (tier, t["sessions"], t["bytes"], t["budget_bytes"], f"{t['budget_used']:.1%}")
+        for tier, t in stats["tiers"].items()
+    ]
+    print_table(("tier", "sessions", "bytes", "budget", "used"), rows)
+    if not stats.get("live", True):  # offline: tiers as stored, no turn counters
+        print_pairs([("tenants", stats["tenants"]), ("sessions", stats["sessions"]), ("model", stats["model"])])
+        typer.echo(f"note: {stats['note']}")
+        return
+    evictions = ", ".join(f"{move} {int(n)}" for move, n in stats["evictions"].items()) or "none"
+    print_pairs(
+        [
+            ("tenants", stats["tenants"]),
+            ("sessions", stats["sessions"]),
+            ("cache hit rate", f"{stats['cache_hit_rate_tokens']:.1%} of prompt tokens"),
+            ("prefill tokens", f"{int(stats['prefill_tokens'])} run, {int(stats['prefill_tokens_saved'])} saved"),
+            ("evictions", evictions),
+            ("integrity failures", int(stats["integrity_failures"])),
+            ("model", f"{stats['model']} ({stats['model_fingerprint']})"),
+        ]
+    )
+
+
+def stats_command(ctx: typer.Context, as_json: JsonOption = False, server: ServerOption = None) -> None:
+    """Sessions and bytes per tier, budgets used, cache hit rate, prefill tokens saved, evictions.
+
+    With --server: the running server's tiers, and its turn counters (hit rate, prefill tokens,
+    evictions) since it started. Without: the tiers as stored in the home (every cache on disk),
+    without turn counters, and without loading the model.
+    """
+    with open_admin(ctx, server) as admin:
+        stats = admin.stats()
+    print_data(stats, as_json, _render_stats)
+
+
+def gc_command(
+    ctx: typer.Context,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be removed.")] = False,
+    as_json: JsonOption = False,
+    server: ServerOption = None,
+) -> None:
+    """Delete sessions idle longer than the retention (CHATKV_SESSION_RETENTION_S, e.g. 30d).
+
+    The retention is the server's with --server, else this environment's. Disk orphans (crash
+    leftovers, files without a row, blobs of another model) are removed whenever a manager starts:
+    by the server at its start, or by this command without --server (unless --dry-run).
+    """
+    with open_admin(ctx, server) as admin:
+        report = admin.gc(dry_run=dry_run)
+    print_data(report, as_json, _render_gc)
+
+
+def _render_gc(report: Json) -> None:
+    if report["retention_s"] is None:
+        typer.echo("no retention set (CHATKV_SESSION_RETENTION_S, e.g. 30d): sessions are kept")
+        return
+    verb = "would remove" if report["dry_run"] else "removed"
+    expired = report["expired_sessions"]
+    sessions = count(len(expired), "session")
+    typer.echo(f"{verb} {sessions} idle longer than {duration_text(report['retention_s'])}")
+    for s in expired:
+        typer.echo(f"  {s['id']}  tenant {s['tenant']}  last active {when(s['last_active_at'])}")

@@ -1,0 +1,52 @@
+"""`chatkv serve`: the chat UI, the `/v1/` API, the admin API and metrics over one home."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from app.cli_groups import CLIError, held_by_server
+from app.cli_home import domain_errors, home_dir, load_manager, settings_for
+from storage.home_lock import HomeLockedError, check_unlocked
+
+
+def serve_command(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 7860,
+    local: Annotated[bool, typer.Option("--local", help="Single-tenant local mode: no API key asked.")] = False,
+    model: Annotated[
+        str | None, typer.Option(help="'default' (bundled SmolLM2-135M-Instruct) or a local model directory.")
+    ] = None,
+) -> None:
+    """Serve the chat UI at /, the admin API under /admin/ and Prometheus metrics at /metrics.
+
+    Runs until Ctrl-C or SIGTERM (exit code 0): turns in flight complete, caches are persisted so the
+    next start resumes warm, and the home's lock is released.
+    """
+    from app.server import ListenError, bind_sockets, serve
+
+    try:
+        check_unlocked(home_dir(ctx.obj))  # before a manager touches stores that a live server owns
+        # Before the model loads (seconds): a taken port fails at once. Held until uvicorn listens.
+        sockets = bind_sockets(host, port)
+    except HomeLockedError as exc:
+        raise CLIError(held_by_server(exc), 2) from None
+    except ListenError as exc:
+        raise CLIError(str(exc), 1) from None
+    try:
+        settings = settings_for(ctx.obj, model=model)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("app").setLevel(logging.INFO)
+        logging.getLogger("sessions").setLevel(logging.INFO)  # why a turn rebuilt, replica start-up
+        with domain_errors():
+            serve(load_manager(settings), host=host, port=port, local=local, sockets=sockets)
+    except HomeLockedError as exc:  # a server took the home while the model loaded
+        raise CLIError(held_by_server(exc), 2) from None
+    except ListenError as exc:
+        raise CLIError(str(exc), 1) from None
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -1,0 +1,220 @@
+"""`chatkv sessions ...`: list, inspect (`show`), evict, restore, delete and export sessions.
+
+Each command asks `app.admin_ops` (directly or through a server's admin API, see `app.cli_home`)
+and renders its JSON answer here; what a command shows beyond that answer belongs in the
+`_render_*` function beside it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from app.cli_groups import CLIError, CommandGroup
+from app.cli_home import open_admin
+from app.cli_options import JsonOption, ServerOption, TenantOption, YesOption
+from app.cli_output import confirm, count, print_data, print_pairs, print_table, when
+
+if TYPE_CHECKING:
+    from app.admin_ops import Json
+
+TIERS = ("device", "host", "disk")
+EVICT_TARGETS = ("host", "disk", "drop")
+
+sessions_app = typer.Typer(
+    cls=CommandGroup, no_args_is_help=True, help="List, inspect, evict, restore, delete and export sessions."
+)
+
+
+def _duration_s(text: str) -> float:
+    from sessions.settings import parse_duration_s
+
+    try:
+        return parse_duration_s(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@sessions_app.command("list")
+def sessions_list(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="Only this tenant's sessions.")] = None,
+    tier: Annotated[
+        str | None, typer.Option(metavar="device|host|disk", help="Only sessions cached in this tier.")
+    ] = None,
+    idle_for: Annotated[
+        float | None,
+        typer.Option(
+            parser=_duration_s, metavar="DURATION", help="Only sessions idle at least this long (90, 30m, 7d)."
+        ),
+    ] = None,
+    as_json: JsonOption = False,
+    server: ServerOption = None,
+) -> None:
+    """List sessions, most recently active first."""
+    if tier is not None and tier not in TIERS:
+        raise CLIError("--tier must be device, host or disk", 2)
+    with open_admin(ctx, server) as admin:
+        sessions = admin.list_sessions(tenant=tenant, tier=tier, idle_for_s=idle_for)
+    print_data(
+        sessions,
+        as_json,
+        lambda ss: print_table(
+            ("session", "tenant", "tier", "tokens", "messages", "last active", "title"),
+            [
+                (
+                    s["id"],
+                    s["tenant"],
+                    s["tier"],
+                    s["token_count"],
+                    s["message_count"],
+                    when(s["last_active_at"]),
+                    s["title"],
+                )
+                for s in ss
+            ],
+        ),
+    )
+
+
+def _render_inspect(detail: Json) -> None:
+    s, t = detail["session"], detail["transcript"]
+    ttft = detail["last_ttft_s"]
+    print_pairs(
+        [
+            ("session", f"{s['id']} (tenant {s['tenant']})"),
+            ("title", s["title"]),
+            ("tier", s["tier"] or "none (the next turn rebuilds the cache)"),
+            ("turns", f"{t['turns']} ({count(t['messages'], 'message')})"),
+            # The rendered conversation (chat template included) up to the last reply token, not
+            # the sum of the messages' token ids: what the next turn continues from.
+            ("context tokens", s["token_count"]),
+            ("first message", t["first_user_message"]),
+            ("last message", t["last_user_message"]),
+            ("last reply", t["last_reply"]),
+            ("fingerprint", detail["model_fingerprint"] + ("" if detail["model_fingerprint_matches"] else " (stale)")),
+            ("last ttft", None if ttft is None else f"{ttft * 1000:.1f} ms"),
+            ("cache bytes", detail["cache_bytes"]),
+            *_replica_pairs(detail),
+        ]
+    )
+    rows = [
+        (
+            layer["kind"],
+            "prefix" if layer["turn_index"] is None else layer["turn_index"],
+            layer["tokens"],
+            layer.get("evicted", 0),
+            f"[{layer['positions'][0]}, {layer['positions'][1]})",
+            layer["precision"],
+            "shared pool" if layer["shared"] else layer["tier"],
+            layer["bytes"],
+        )
+        for layer in detail["layers"]
+    ]
+    print_table(("layer", "turn", "tokens", "evicted", "positions", "precision", "tier", "bytes"), rows, title="layers")
+
+
+def _replica_pairs(detail: Json) -> list[tuple[str, object]]:
+    """The owner and the Redis copy, for a replica (absent from a single process's answer)."""
+    if "owner" not in detail or (detail["owner"] is None and not detail["redis_copy"]):
+        return []
+    owner = detail["owner"]
+    shown = "none (the next replica asked takes it)" if owner is None else owner
+    if detail.get("owner_url"):
+        shown += f" at {detail['owner_url']}"
+    return [("owner", shown), ("redis copy", "yes" if detail["redis_copy"] else "no")]
+
+
+@sessions_app.command("inspect")
+def sessions_inspect(
+    ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False, server: ServerOption = None
+) -> None:
+    """Show a session: transcript summary, layer table, model fingerprint, last TTFT.
+
+    The layer table has one row per layer: kind (base or turn), turn, tokens held per KV head,
+    tokens evicted per head (window_policy attention), RoPE positions (a half-open range: [0, 21)
+    is positions 0 to 20), precision, tier and bytes (the layer's share of the cache by tokens).
+    The system-prompt prefix lives in the tenant's shared prefix pool. A stored cache is decrypted
+    to read its layers.
+    """
+    with open_admin(ctx, server) as admin:
+        detail = admin.inspect_session(tenant, session_id)
+    print_data(detail, as_json, _render_inspect)
+
+
+@sessions_app.command("show")
+def sessions_show(
+    ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False, server: ServerOption = None
+) -> None:
+    """Alias of `sessions inspect`."""
+    sessions_inspect(ctx, session_id, tenant, as_json, server)
+
+
+@sessions_app.command("evict")
+def sessions_evict(
+    ctx: typer.Context,
+    session_id: str,
+    tenant: TenantOption,
+    to: Annotated[str, typer.Option(metavar="host|disk|drop", help="Target tier, or drop the cache.")],
+    server: ServerOption = None,
+) -> None:
+    """Move an idle session's cache down to host memory or disk, or drop it.
+
+    A dropped cache is rebuilt from the transcript by the next turn. With --server this frees the
+    server's device; without one, every stored cache is on disk already.
+    """
+    if to not in EVICT_TARGETS:
+        raise CLIError("--to must be host, disk or drop", 2)
+    with open_admin(ctx, server) as admin:
+        result = admin.evict_session(tenant, session_id, to)
+    if to == "drop":
+        typer.echo(f"{session_id}: dropped")
+    elif result["tier"] is None:
+        typer.echo(f"{session_id}: no cache stored here; the next turn rebuilds it from the transcript")
+    else:
+        typer.echo(f"{session_id}: {result['tier']}")
+
+
+@sessions_app.command("restore")
+def sessions_restore(ctx: typer.Context, session_id: str, tenant: TenantOption, server: ServerOption = None) -> None:
+    """Bring a session's cache up to the server's device ahead of its next turn.
+
+    Needs --server: without a server no process keeps a cache on the device.
+    """
+    if not (server or ctx.obj.server):
+        raise CLIError("sessions restore needs --server (or CHATKV_SERVER)", 2)
+    with open_admin(ctx, server) as admin:
+        result = admin.restore_session(tenant, session_id)
+    if result["tier"] is None:
+        why = "the stored cache was unusable and was discarded" if result["rejected"] else "nothing stored"
+        typer.echo(f"{session_id}: {why}; the next turn rebuilds it from the transcript")
+        return
+    source = result["restored_from"] or result["tier"]
+    typer.echo(f"{session_id}: {result['tier']} (from {source}, {result['restore_s'] * 1000:.1f} ms)")
+
+
+@sessions_app.command("delete")
+def sessions_delete(
+    ctx: typer.Context, session_id: str, tenant: TenantOption, yes: YesOption = False, server: ServerOption = None
+) -> None:
+    """Delete a session for good: transcript, caches in every tier and files. Asks for confirmation
+    unless --yes."""
+    with open_admin(ctx, server) as admin:
+        found = [s for s in admin.list_sessions(tenant=tenant) if s["id"] == session_id]
+        if not found:
+            raise CLIError(f"session not found: {session_id}", 2)
+        session = found[0]
+        title = f" ({session['title']})" if session["title"] else ""
+        turns = count(session["message_count"] // 2, "turn")
+        confirm(f"Delete session {session_id}{title} of tenant {session['tenant']}, {turns}, for good?", yes)
+        admin.delete_session(tenant, session_id)
+    typer.echo(f"deleted session {session_id}")
+
+
+@sessions_app.command("export")
+def sessions_export(ctx: typer.Context, session_id: str, tenant: TenantOption, server: ServerOption = None) -> None:
+    """Print a session's transcript as JSON (every message with its exact token ids)."""
+    with open_admin(ctx, server) as admin:
+        transcript = admin.export_session(tenant, session_id)
+    print_data(transcript, True, print)

@@ -1,0 +1,423 @@
+"""The chat page's event handlers (`ChatUI`): signing in, opening and starting sessions, and
+streaming turns. Each returns a `View` (`app.ui_view`), so tests call them without a browser; the
+page that wires them to components is `app.ui.build_ui`."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+from collections.abc import Generator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import gradio as gr
+
+from app.ui_render import (
+    chat_messages,
+    error_html,
+    length_note,
+    note_html,
+    session_info_html,
+    stats_html,
+    stats_row,
+)
+from app.ui_sessions import SessionLabels
+from app.ui_turns import Turn, TurnThreads, slider_values
+from app.ui_view import (
+    View,
+    ViewState,
+    input_update,
+    make_view,
+    overlay,
+    remembered_session,
+    remembered_value,
+    stop_button_update,
+)
+from sessions.errors import ChatKVError, InvalidInput, TenantExists, TenantNotFound
+from sessions.records import Reply, Tenant
+
+if TYPE_CHECKING:
+    from app.prefetch import Prefetcher
+    from sessions.manager import SessionManager
+
+LOCAL_TENANT = "local"
+UNKNOWN_KEY_MESSAGE = "unknown API key"
+"""The one answer to a wrong key and to a key of an unknown tenant (they must look the same)."""
+EMPTY_KEY_MESSAGE = "enter an API key"
+STOPPED_NOTE = (
+    "Stopped. The partial reply was discarded and nothing was stored for this turn; your message is back in the box."
+)
+"""Shown under the chat after Stop: the manager stores nothing for a cancelled turn."""
+
+
+class ChatUI:
+    """Event handlers of the chat page over one manager. Holds no tab's data (that is in
+    `ViewState`): only the turns in flight and the first messages that label untitled sessions."""
+
+    def __init__(self, manager: SessionManager, *, local: bool, prefetcher: Prefetcher | None = None) -> None:
+        self.manager = manager
+        self.local = local
+        self.prefetcher = prefetcher
+        """Restores a selected session's cache to the device before its next message (server only)."""
+        self._turns = TurnThreads()
+        self._labels = SessionLabels(manager)
+
+    # -- signing in ----------------------------------------------------------------------------
+
+    def on_load(self, state: ViewState, remembered: object = None) -> View:
+        """Page opened: local mode signs in as the `local` tenant (created if missing) and opens the
+        session this browser had open (`remembered`), if it is still there."""
+        if not self.local:
+            return self._signed_out()
+        try:
+            tenant = local_tenant(self.manager)
+        except ChatKVError as exc:
+            return make_view(ViewState(), main_panel=gr.update(visible=True), error_line=error_html(str(exc)))
+        return self._signed_in(tenant, None, remembered)
+
+    def login(self, api_key: str, state: ViewState, remembered: object = None) -> View:
+        """Resolve a tenant API key; any wrong or unknown key gets `UNKNOWN_KEY_MESSAGE`. The
+        session this browser had open is opened again if it is this tenant's."""
+        key = (api_key or "").strip()
+        if not key:
+            return self._signed_out(message=error_html(EMPTY_KEY_MESSAGE))
+        try:
+            tenant = self.manager.tenant_for_api_key(key)
+        except TenantNotFound:
+            return self._signed_out(message=error_html(UNKNOWN_KEY_MESSAGE))
+        return self._signed_in(tenant, key, remembered)
+
+    def sign_out(self, state: ViewState) -> View:
+        """Sign out and forget the open session in this browser."""
+        return self._signed_out()._replace(remembered=None)
+
+    def _signed_out(self, message: str = "") -> View:
+        # Every tenant-derived component is cleared, so the next sign-in never sees this one's data.
+        return make_view(
+            ViewState(),
+            login_panel=gr.update(visible=True),
+            main_panel=gr.update(visible=False),
+            login_message=message,
+            api_key="",
+            tenant_line="",
+            session_picker=gr.update(choices=[], value=None),
+            session_info="",
+            chatbot=[],
+            message=input_update(True, value=""),
+            send_button=input_update(True),
+            stats_line="",
+            stats_table=[],
+            error_line="",
+            stop_button=stop_button_update(False),
+            reply_note="",
+        )
+
+    def _signed_in(self, tenant: Tenant, api_key: str | None, remembered: object) -> View:
+        state = ViewState(tenant=tenant, api_key=api_key)
+        view = make_view(
+            state,
+            login_panel=gr.update(visible=False),
+            main_panel=gr.update(visible=True),
+            login_message="",
+            api_key="",
+            tenant_line=f"Tenant <b>{html.escape(tenant.name)}</b> · model {html.escape(self.manager.model_name)}",
+            session_picker=self._labels.picker(tenant, None),
+            session_info="",
+            chatbot=[],
+            message=input_update(True, value=""),
+            send_button=input_update(True),
+            stats_line="",
+            stats_table=[],
+            error_line="",
+            stop_button=stop_button_update(False),
+            reply_note="",
+        )
+        session_id = remembered_session(remembered, tenant)
+        if session_id is None:
+            return view
+        try:
+            opened = self._open(tenant, session_id, state)
+        except ChatKVError:  # deleted since, or never this tenant's: start without it
+            return view._replace(remembered=None)
+        return overlay(view, opened)._replace(session_picker=self._labels.picker(tenant, session_id))
+
+    def _tenant(self, state: ViewState) -> Tenant | View:
+        """The tab's tenant, its API key checked again (it may have been rotated or deleted, or the
+        tenant deleted, since sign-in); else the view to answer with (signed out, or "sign in first")."""
+        if state.tenant is None:
+            return make_view(state, error_line=error_html("sign in first"))
+        if self.local:
+            return state.tenant
+        try:
+            tenant = self.manager.tenant_for_api_key(state.api_key or "")
+        except TenantNotFound:
+            return self._signed_out(message=error_html(UNKNOWN_KEY_MESSAGE))
+        if tenant.id != state.tenant.id:  # a key names its tenant; never another one
+            return self._signed_out(message=error_html(UNKNOWN_KEY_MESSAGE))
+        return tenant
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def refresh_sessions(self, state: ViewState) -> View:
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
+        try:
+            return make_view(state, session_picker=self._labels.picker(tenant, state.session_id), error_line="")
+        except ChatKVError as exc:
+            return make_view(state, error_line=error_html(str(exc)))
+
+    def select_session(self, session_id: str | None, state: ViewState) -> View:
+        """Open one of the tenant's sessions and show its history."""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
+        if not session_id:
+            return make_view(
+                replace(state, session_id=None, shown=(), stats_rows=()),
+                chatbot=[],
+                session_info="",
+                reply_note="",
+                remembered=None,
+            )
+        try:
+            return self._open(tenant, session_id, state)
+        except ChatKVError as exc:
+            return make_view(state, error_line=error_html(str(exc)))
+
+    def _open(self, tenant: Tenant, session_id: str, state: ViewState) -> View:
+        """The view of `state` with the tenant's session `session_id` open (raises `ChatKVError`)."""
+        info = self.manager.session_info(tenant, session_id)
+        if self.prefetcher is not None and info.tier in ("host", "disk"):
+            self.prefetcher.start(tenant, info.id)  # its next message finds the cache warm
+        history = self.manager.history(tenant, session_id)
+        shown = tuple((m.role, m.text) for m in history if m.role in ("user", "assistant"))
+        state = replace(state, session_id=info.id, shown=shown, stats_rows=())
+        note = note_html(
+            "Turn stats cover the turns you send in this page visit; earlier turns were not measured here."
+        )
+        return make_view(
+            state,
+            session_info=session_info_html(info),
+            chatbot=chat_messages(shown),
+            stats_line=note if shown else "",
+            stats_table=[],
+            error_line="",
+            reply_note="",
+            remembered=remembered_value(tenant, info.id),
+        )
+
+    def new_session(self, title: str, system_prompt: str, state: ViewState) -> View:
+        """Start a session (empty title / system prompt: none) and switch to it."""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
+        try:
+            session_id = self.manager.open_session(
+                tenant, system_prompt=system_prompt.strip() or None, title=title.strip() or None
+            )
+            info = self.manager.session_info(tenant, session_id)
+            picker = self._labels.picker(tenant, session_id)
+        except ChatKVError as exc:
+            return make_view(state, error_line=error_html(str(exc)))
+        return make_view(
+            replace(state, session_id=session_id, shown=(), stats_rows=()),
+            session_picker=picker,
+            session_info=session_info_html(info),
+            chatbot=[],
+            stats_line="",
+            stats_table=[],
+            error_line="",
+            reply_note="",
+            remembered=remembered_value(tenant, session_id),
+        )
+
+    def leave_session(self, state: ViewState) -> View:
+        """The chat's clear button: close the session on screen (it stays stored and listed); the
+        next message starts a new one."""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            return tenant
+        left = state.session_id is not None
+        note = "New conversation: your next message starts a new session."
+        if left:
+            note += " The previous one is kept in the Session list."
+        return make_view(
+            replace(state, session_id=None, shown=(), stats_rows=()),
+            session_picker=gr.update(value=None),
+            session_info=html.escape(note),
+            chatbot=[],
+            stats_line="",
+            stats_table=[],
+            error_line="",
+            reply_note="",
+            remembered=None,
+        )
+
+    # -- turns ---------------------------------------------------------------------------------
+
+    def send(
+        self, message: str, max_new_tokens: float, temperature: float, state: ViewState
+    ) -> Generator[View, None, None]:
+        """Stream one turn: the reply grows on screen, then the turn's stats appear. Without an open
+        session a new untitled one is started (and deleted again if the turn fails or is stopped).
+        The message box and Send are disabled and Stop is shown while the reply streams. An error
+        restores the message box and shows one line; so does Stop, with `STOPPED_NOTE`. A reply cut
+        at `max_new_tokens` gets a note saying so. The turn runs in a worker thread: it completes
+        (and is stored) even if this generator is closed because the tab went away.
+
+        Args:
+            max_new_tokens: most tokens of the reply (a slider's float).
+            temperature: 0 for greedy decoding.
+        """
+        text = message or ""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            yield tenant
+            return
+        if not text.strip():
+            yield make_view(state, error_line=error_html("type a message first"))
+            return
+        try:
+            max_tokens, temperature = slider_values(max_new_tokens, temperature)
+        except InvalidInput as exc:
+            yield make_view(state, error_line=error_html(str(exc)))
+            return
+        session_id = state.session_id
+        created = session_id is None
+        try:
+            if session_id is None:
+                session_id = self.manager.open_session(tenant)
+            picker = self._labels.picker(tenant, session_id) if created else gr.update()
+        except ChatKVError as exc:
+            yield make_view(state, error_line=error_html(str(exc)))
+            return
+        # Started before the first yield: if the tab goes away right after sending, the turn still runs.
+        turn = self._turns.start(
+            Turn(
+                self.manager,
+                tenant,
+                session_id,
+                text,
+                max_new_tokens=max_tokens,
+                temperature=temperature,
+                delete_on_failure=created,
+            )
+        )
+        before = state
+        state = replace(state, session_id=session_id)
+        shown = (*state.shown, ("user", text))
+        yield make_view(
+            state,
+            chatbot=chat_messages(shown),
+            message=input_update(False, value=""),
+            send_button=input_update(False),
+            session_picker=picker,
+            error_line="",
+            stop_button=stop_button_update(True),
+            reply_note="",
+            remembered=remembered_value(tenant, session_id) if created else gr.update(),
+        )
+        pieces: list[str] = []
+        reply: Reply | None = None
+        failure: Exception | None = None
+        done = False
+        while not done:
+            streamed = len(pieces)
+            for item in turn.next_items():
+                if item is Turn.END:
+                    done = True
+                elif isinstance(item, Reply):
+                    reply = item
+                elif isinstance(item, Exception):
+                    failure = item
+                elif isinstance(item, str):
+                    pieces.append(item)
+            if not done and len(pieces) > streamed:
+                yield make_view(state, chatbot=chat_messages((*shown, ("assistant", "".join(pieces)))))
+        if turn.stopped:
+            note = note_html(STOPPED_NOTE, kind="stopped")
+            yield self._undone(before, tenant, text, turn.session_deleted, error_line="", reply_note=note)
+        elif reply is None:
+            yield self._failed_turn(before, tenant, text, failure, turn.session_deleted)
+        else:
+            yield self._after_turn(state, tenant, session_id, text, reply)
+
+    def stop(self, state: ViewState) -> dict[str, Any]:
+        """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
+        then ends with `STOPPED_NOTE` once the session is free; nothing of the turn is stored.
+        Returns the Stop button's update (disabled until `send` hides it). Its only output: the
+        tab's state is `send`'s to change."""
+        tenant = self._tenant(state)
+        if not isinstance(tenant, View) and state.session_id is not None:
+            turn = self._turns.find(str(tenant.id), str(state.session_id))
+            if turn is not None:
+                turn.stop()
+        return stop_button_update(True, interactive=False)
+
+    def wait_for_turns(self, timeout_s: float) -> bool:
+        """Wait until the turns in flight (of any tab, also of tabs that went away) are stored;
+        `False` if some are still running after `timeout_s`. The server calls it before closing
+        the manager."""
+        return self._turns.wait(timeout_s)
+
+    def _failed_turn(
+        self, state: ViewState, tenant: Tenant, text: str, failure: Exception | None, session_deleted: bool
+    ) -> View:
+        if isinstance(failure, ChatKVError):
+            message = str(failure)
+        else:  # a bug, logged by the worker with its traceback
+            message = "the turn failed (internal error, see the server log); nothing was stored"
+        return self._undone(state, tenant, text, session_deleted, error_line=error_html(message))
+
+    def _undone(self, state: ViewState, tenant: Tenant, text: str, session_deleted: bool, **notes: Any) -> View:
+        """The tab as it was before the send (`state`), the message back in the box to edit or send
+        again: a failed or stopped turn stores nothing. `notes`: the error line and reply note."""
+        view = make_view(
+            state,
+            chatbot=chat_messages(state.shown),
+            message=input_update(True, value=text),
+            send_button=input_update(True),
+            stop_button=stop_button_update(False),
+            **notes,
+        )
+        if session_deleted:
+            view = view._replace(remembered=remembered_value(tenant, state.session_id))
+            with contextlib.suppress(ChatKVError):
+                view = view._replace(session_picker=self._labels.picker(tenant, None))
+        return view
+
+    def _after_turn(self, state: ViewState, tenant: Tenant, session_id: str, text: str, reply: Reply) -> View:
+        shown = (*state.shown, ("user", text), ("assistant", reply.text))
+        turn = sum(1 for role, _ in shown if role == "user")
+        row = stats_row(turn, reply.stats)
+        state = replace(state, shown=shown, stats_rows=(*state.stats_rows, row))
+        view = make_view(
+            state,
+            chatbot=chat_messages(shown),
+            message=input_update(True),
+            send_button=input_update(True),
+            stats_line=stats_html(turn, reply.stats),
+            stats_table=[list(r) for r in state.stats_rows],
+            stop_button=stop_button_update(False),
+            reply_note=length_note(reply) if reply.finish_reason == "length" else "",
+        )
+        try:
+            info = self.manager.session_info(tenant, session_id)
+            return view._replace(
+                session_info=session_info_html(info), session_picker=self._labels.picker(tenant, session_id)
+            )
+        except ChatKVError as exc:  # e.g. the session was deleted by an operator just now
+            return view._replace(error_line=error_html(str(exc)))
+
+
+def local_tenant(manager: SessionManager) -> Tenant:
+    """The `local` tenant of single-tenant mode, created on first use."""
+    try:
+        return manager.get_tenant(LOCAL_TENANT)
+    except TenantNotFound:
+        pass
+    try:
+        return manager.create_tenant(LOCAL_TENANT)
+    except TenantExists:  # another tab created it at the same moment
+        return manager.get_tenant(LOCAL_TENANT)

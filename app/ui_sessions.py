@@ -1,0 +1,81 @@
+"""The session picker: each session's label (its title or first message, and when it was last
+active) and the picker's choices."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import gradio as gr
+
+from sessions.errors import ChatKVError
+from sessions.records import SessionInfo, Tenant
+
+if TYPE_CHECKING:
+    from sessions.manager import SessionManager
+
+LABEL_CHARS = 40
+"""Longest name of a session in the picker (its title, or its first message), in characters;
+longer ones end with an ellipsis. The label adds when it was last active (`· 5 min ago`)."""
+_MAX_LABELS = 10_000
+
+
+class SessionLabels:
+    """Labels of a manager's sessions for the picker. Caches each session's first user message
+    (it never changes), so listing the sessions does not read every history again."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+        self._first_messages: dict[tuple[str, str], str] = {}
+        """(tenant id, session id) -> the session's first user message."""
+
+    def picker(self, tenant: Tenant, selected: str | None) -> dict[str, Any]:
+        """The picker's update: every session of `tenant` as `manager.list_sessions` orders them,
+        `selected` chosen (raises `ChatKVError`)."""
+        choices = [(self.label(tenant, info), str(info.id)) for info in self.manager.list_sessions(tenant)]
+        return gr.update(choices=choices, value=selected)
+
+    def label(self, tenant: Tenant, info: SessionInfo) -> str:
+        """`name · 5 min ago`: the title, else the first message, else `(empty)`, shortened to
+        `LABEL_CHARS` (with an ellipsis), and when the session was last active."""
+        first = self._first_message(tenant, info) if info.message_count and not info.title else None
+        name = _shorten(info.title or first or "(empty)", LABEL_CHARS)
+        return f"{name} · {ago(info.last_active_at, datetime.now(UTC))}"
+
+    def _first_message(self, tenant: Tenant, info: SessionInfo) -> str | None:
+        key = (str(tenant.id), str(info.id))
+        first = self._first_messages.get(key)
+        if first is None:
+            try:
+                history = self.manager.history(tenant, info.id)
+            except ChatKVError:  # deleted since it was listed
+                return None
+            first = next((m.text for m in history if m.role == "user"), None)
+            if first is not None:
+                if len(self._first_messages) >= _MAX_LABELS:
+                    self._first_messages.clear()
+                self._first_messages[key] = first
+        return first
+
+
+def ago(then: datetime, now: datetime) -> str:
+    """How long ago `then` was, as a picker label says it: `just now`, `5 min ago`, `3 h ago`,
+    `yesterday`, `4 days ago`, then the date (`Mar 5`, or `2024-03-05` in another year)."""
+    seconds = (now - then).total_seconds()
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)} h ago"
+    days = int(seconds // 86400)
+    if days == 1:
+        return "yesterday"
+    if days < 7:
+        return f"{days} days ago"
+    return f"{then:%b} {then.day}" if then.year == now.year else f"{then:%Y-%m-%d}"
+
+
+def _shorten(text: str, limit: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"

@@ -1,0 +1,177 @@
+"""Turns of the chat page run in worker threads: `Turn` runs one to completion whether or not its
+tab is still there, `TurnThreads` tracks the ones in flight (for Stop, and for the server's
+shutdown), and `slider_values` checks the sliders' values before a turn starts."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from sessions.errors import ChatKVError, InvalidInput
+from sessions.records import Reply, Tenant
+
+if TYPE_CHECKING:
+    from sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
+
+
+class Turn:
+    """One turn run to completion in a worker thread; its reply pieces, then the `Reply` (or the
+    exception it failed with), then `Turn.END`, arrive on `items`. Nobody has to read them: the
+    turn is stored when it completes even if its tab went away. `stop()` (the Stop button) is what
+    ends it early: then `stopped` is set and no `Reply` comes.
+
+    A first turn of a session started for it (`delete_on_failure`) that fails or is stopped deletes
+    that session again, so failed sends do not leave empty sessions behind.
+    """
+
+    END = object()
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        tenant: Tenant,
+        session_id: str,
+        text: str,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        delete_on_failure: bool,
+    ) -> None:
+        self.manager = manager
+        self.tenant = tenant
+        self.session_id = session_id
+        self.text = text
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.delete_on_failure = delete_on_failure
+        self.items: queue.Queue[object] = queue.Queue()
+        self.session_deleted = False
+        self.stopped = False
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the worker to cancel the turn: it closes the stream when the next piece arrives (one
+        per engine step while the reply decodes; a turn still queued or prefilling stops at its
+        first token), unless the reply is complete and stored by then."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Run the turn to its end, queueing what it yields (the worker thread's body). `END` is
+        queued only once the stream is closed, so a stopped turn's session is free by then."""
+        stream = self.manager.stream_chat(
+            self.tenant,
+            self.session_id,
+            self.text,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+        )
+        try:
+            # Closing the stream cancels the turn at the engine's next step; nothing is stored.
+            with contextlib.closing(stream):
+                for item in stream:
+                    if self._stop.is_set() and not isinstance(item, Reply):  # a Reply is stored already
+                        self.stopped = True
+                        break
+                    self.items.put(item)
+            if self.stopped and self.delete_on_failure:
+                self._delete_empty_session()
+        # A thread boundary: whatever the turn raises must reach the tab's generator, which is
+        # waiting on this queue (a ChatKVError is shown to the user, anything else is logged too).
+        except Exception as exc:
+            if not isinstance(exc, ChatKVError):
+                log.exception("turn on session %s failed", self.session_id)
+            if self.delete_on_failure:
+                self._delete_empty_session()
+            self.items.put(exc)
+        finally:
+            self.items.put(Turn.END)
+
+    def _delete_empty_session(self) -> None:
+        with contextlib.suppress(ChatKVError):
+            if not self.manager.history(self.tenant, self.session_id):
+                self.manager.delete_session(self.tenant, self.session_id)
+                self.session_deleted = True
+
+    def next_items(self) -> list[object]:
+        """Wait for the next item, then take every item already queued (a slow reader gets the
+        pieces in batches instead of falling behind)."""
+        items = [self.items.get()]
+        with contextlib.suppress(queue.Empty):
+            while items[-1] is not Turn.END:
+                items.append(self.items.get_nowait())
+        return items
+
+
+class TurnThreads:
+    """The worker threads of the turns in flight, of any tab (also of tabs that went away)."""
+
+    def __init__(self) -> None:
+        self._threads: set[threading.Thread] = set()
+        self._streaming: dict[tuple[str, str], Turn] = {}
+        """(tenant id, session id) -> the turn in flight on it (one at most: the session's lease)."""
+        self._lock = threading.Lock()
+
+    def find(self, tenant_id: str, session_id: str) -> Turn | None:
+        """The turn in flight on the tenant's session, if any."""
+        with self._lock:
+            return self._streaming.get((tenant_id, session_id))
+
+    def start(self, turn: Turn) -> Turn:
+        """Run `turn` in a worker thread, tracked until it ends (see `wait`)."""
+
+        key = (str(turn.tenant.id), str(turn.session_id))
+
+        def work() -> None:
+            try:
+                turn.run()
+            finally:
+                with self._lock:
+                    self._threads.discard(thread)
+                    if self._streaming.get(key) is turn:
+                        del self._streaming[key]
+
+        thread = threading.Thread(target=work, name=f"chatkv-turn-{turn.session_id}", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+            self._streaming[key] = turn
+        thread.start()
+        return turn
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until the turns in flight are stored; `False` if some are still running after
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                running = list(self._threads)
+            if not running:
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            running[0].join(remaining)
+
+
+def slider_values(max_new_tokens: float, temperature: float) -> tuple[int, float]:
+    """The sliders' values as `stream_chat` arguments (the manager checks their ranges). A client
+    can send any JSON number, NaN and infinity included, which `int` cannot convert.
+
+    Raises:
+        InvalidInput: for a value that is not a finite number.
+    """
+    if not _finite(max_new_tokens):
+        raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not _finite(temperature):
+        raise InvalidInput(f"temperature must be a number >= 0, got {temperature!r}")
+    return int(max_new_tokens), float(temperature)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,114 @@
+"""Importance of cached tokens from the attention an observation window of recent queries pays them.
+
+SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024): the last
+few queries of a prompt (the observation window) attend to much the same prompt tokens the reply
+will attend to, so their attention, summed over the window and pooled over a small neighbourhood
+(so a kept token keeps its neighbours, which carry the rest of a fact), ranks the cached tokens of
+each KV head. H2O (Zhang et al., 2023) ranks by attention accumulated over all queries instead;
+chatkv scores once per turn, when the window must shrink, so it takes SnapKV's observation window
+(the new turn's prefill) rather than accumulating over every decode step.
+
+SDPA does not return attention weights and switching the model to eager attention would slow every
+step, so only the window's query states are captured (`ObservationWindow`, through the packed
+attention's `PreallocatedLayer.query_observer`; RoPE already applied) and `softmax(q k^T * scale)`
+is computed here against the cached keys, for `window_tokens` queries per model layer: a
+`[heads, window, cached]` product, small beside the prefill itself.
+
+    working cache (one model layer)   | cached tokens ........................ | new turn's prefill    |
+    queries captured                                                            |   ...  | last W     |
+    scores                            | sum over W, over each KV group's query heads; max-pooled       |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cache.session_cache import PreallocatedLayer, WorkingCache
+
+DEFAULT_POOL_KERNEL = 7
+"""Neighbourhood of the max-pool over scores (SnapKV pools with kernels 5-7)."""
+
+
+class ObservationWindow:
+    """Captures the last `window_tokens` query states of every model layer while a prefill runs.
+
+    Attach to a working cache before the prefill, detach after (`with` block). The captured states
+    are `[1, heads, <= window_tokens, head_dim]` per model layer, in the model's dtype.
+
+    Args:
+        working: the cache the prefill runs on (its `PreallocatedLayer`s get the observer).
+        window_tokens: queries kept per model layer, at the end of the prefill.
+
+    Raises:
+        ValueError: if `window_tokens < 1`.
+    """
+
+    def __init__(self, working: WorkingCache, window_tokens: int) -> None:
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        self.window_tokens = window_tokens
+        self._layers: list[PreallocatedLayer] = working.prealloc_layers
+        self._queries: list[torch.Tensor | None] = [None] * len(self._layers)
+        self._scaling: float | None = None
+
+    def __enter__(self) -> ObservationWindow:
+        for index, layer in enumerate(self._layers):
+            layer.query_observer = self._observer(index)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self._layers:
+            layer.query_observer = None
+
+    def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
+        def capture(query: torch.Tensor, scaling: float | None) -> None:
+            previous = self._queries[index]
+            joined = query if previous is None else torch.cat([previous, query], dim=2)
+            self._queries[index] = joined[:, :, -self.window_tokens :].clone()
+            self._scaling = scaling
+
+        return capture
+
+    def scores(self, cached_tokens: int, pool_kernel: int = DEFAULT_POOL_KERNEL) -> torch.Tensor:
+        """Importance of the first `cached_tokens` tokens of the working cache (those before the
+        prefill), per model layer and KV head.
+
+        Returns:
+            `[num_model_layers, kv_heads, cached_tokens]` float32 on the CPU: attention of the
+            window's queries (each a probability distribution over every key it sees, causal
+            inside the prefill), summed over the window and over the query heads sharing each KV
+            head (GQA), then max-pooled over `pool_kernel` neighbouring tokens.
+
+        Raises:
+            RuntimeError: if a model layer captured no query (the prefill did not run).
+        """
+        out = []
+        for index, layer in enumerate(self._layers):
+            query = self._queries[index]
+            if query is None:
+                raise RuntimeError(f"bug: model layer {index} captured no query states")
+            out.append(_layer_scores(query, layer.filled_keys, self._scaling, cached_tokens, pool_kernel))
+        return torch.stack(out)
+
+
+def _layer_scores(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float | None, cached_tokens: int, pool_kernel: int
+) -> torch.Tensor:
+    """`query [1, heads, w, d]` (the last `w` tokens of `keys`), `keys [1, kv_heads, t, d]` ->
+    `[kv_heads, cached_tokens]` float32."""
+    heads, window, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    q = query[0].float().reshape(kv_heads, groups * window, head_dim)  # query heads of a group together
+    logits = torch.bmm(q, keys[0].float().transpose(1, 2)) * scale  # [kv, groups * w, t]
+    rows = torch.arange(total - window, total, device=keys.device)  # each query's own slot
+    visible = torch.arange(total, device=keys.device)[None, :] <= rows[:, None]  # [w, t], causal
+    logits = logits.view(kv_heads, groups, window, total).masked_fill(~visible, float("-inf"))
+    weights = logits.softmax(dim=-1).sum(dim=(1, 2))[:, :cached_tokens]  # [kv, cached]
+    if pool_kernel > 1 and cached_tokens > 0:
+        weights = F.max_pool1d(weights[:, None], pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0]
+    return weights.to("cpu")

@@ -1,0 +1,158 @@
+"""Eviction of cached tokens by importance, per KV head: the `attention` window policy.
+
+Instead of demoting whole old turn layers (`cache.window_policy`), each KV head of each model layer
+keeps the tokens its scores rank highest (`cache.attention_scores`, SnapKV's observation window:
+Li et al., 2024; the heavy-hitter idea of H2O: Zhang et al., 2023). The base layer (system prompt
+and pinned turns: StreamingLLM's attention sinks and more, Xiao et al., 2023) and the most recent
+`recent_tokens` are never evicted.
+
+Tensors stay rectangular: every head keeps the same number of tokens of each turn layer. That
+count is chosen from the scores too: each head's top tokens over the whole evictable span are
+counted per layer and the mean over heads and model layers becomes the layer's quota (largest
+remainder, so the quotas sum to what must be kept); then each head keeps its own top tokens within
+each layer's quota. So the layer table stays a list of contiguous runs (`LayerSpan.token_count`
+held, `evicted_tokens` gone) while the sets held differ per head (`SessionCache.own_stream_index`).
+Ada-KV (Feng et al., 2024) would also let the count differ per head; not done here (it needs
+ragged tensors or padding).
+
+    own slots, one head   | t0 (pinned) | t1 .......... | t2 .......... | t3 (recent) |
+    evictable                           |<------------------------->|
+    kept                  | t0          | t1: top k1    | t2: top k2    | t3          |
+
+Kept keys keep their RoPE positions (no re-rotation): they were rotated at the position they had
+when computed, so each one's distance to a new query, whose position continues from
+`SessionCache.next_position`, is the true distance in the conversation, exactly as when the keys
+were computed; moving them closer would change the relative positions the model reads. This is
+what SnapKV and H2O do. The price is that positions keep growing with the conversation while the
+cache does not; when they would pass the model's position limit the turn rebuilds the window from
+the transcript (`sessions.turn_prep`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from cache.session_cache import LayerSpan, SessionCache, span_offsets, stream_index_of
+
+
+def evictable_ranges(cache: SessionCache, recent_tokens: int) -> list[tuple[int, int, int]]:
+    """`(layer position in cache.layers, first slot, end slot)` of the evictable own slots: unpinned
+    turn layers, minus the last `recent_tokens` own tokens (per KV head)."""
+    boundary = max(0, cache.own_tokens - recent_tokens)
+    out = []
+    for position, (span, held, _) in enumerate(span_offsets(cache.layers)):
+        end = min(held + span.token_count, boundary)
+        if not span.pinned and end > held:
+            out.append((position, held, end))
+    return out
+
+
+def evictable_tokens(cache: SessionCache, recent_tokens: int) -> int:
+    """How many own tokens per KV head may be evicted (see `evictable_ranges`)."""
+    return sum(end - start for _, start, end in evictable_ranges(cache, recent_tokens))
+
+
+def evict_by_scores(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> SessionCache:
+    """Evict `evict_tokens` tokens from every KV head of every model layer, lowest scores first.
+
+    Args:
+        cache: own tensors `[1, kv_heads, own_tokens, head_dim]` per model layer.
+        scores: `[num_model_layers, kv_heads, cache.total_tokens]` float importance of every cached
+            token (base first), e.g. `ObservationWindow.scores`.
+        evict_tokens: tokens to drop per head, `0 <= evict_tokens <= evictable_tokens(...)`.
+        recent_tokens: most recent own tokens never evicted.
+
+    Returns:
+        A new cache (`cache` is not modified) with `own_tokens - evict_tokens` tokens per head, the
+        layer table's `token_count` / `evicted_tokens` updated and `own_stream_index` recording
+        which token each head holds.
+
+    Raises:
+        ValueError: if `evict_tokens` is negative or more than may be evicted, or `scores` has
+            another shape.
+    """
+    ranges = evictable_ranges(cache, recent_tokens)
+    evictable = sum(end - start for _, start, end in ranges)
+    if not 0 <= evict_tokens <= evictable:
+        raise ValueError(f"cannot evict {evict_tokens} tokens per head, {evictable} are evictable")
+    layers_n = len(cache.own_keys)
+    kv_heads = cache.own_keys[0].shape[1] if cache.own_keys else 0
+    expected = (layers_n, kv_heads, cache.total_tokens)
+    if tuple(scores.shape) != expected:
+        raise ValueError(f"scores have shape {tuple(scores.shape)}, expected {expected}")
+    if evict_tokens == 0:
+        return cache
+    own = scores[:, :, cache.base_tokens :].float()  # [L, kv, own]
+    quotas = _quotas(own, ranges, evictable - evict_tokens)
+    slots = _kept_slots(cache, own, ranges, quotas)  # [L, kv, kept]
+    return _gather(cache, slots, ranges, quotas)
+
+
+def _quotas(own: torch.Tensor, ranges: list[tuple[int, int, int]], keep: int) -> list[int]:
+    """Tokens kept per evictable range: the mean over heads of how many of each head's top `keep`
+    fall in it, rounded by largest remainder so they sum to `keep`."""
+    index = torch.cat([torch.arange(start, end) for _, start, end in ranges])
+    candidates = own[:, :, index]  # [L, kv, evictable]
+    member = torch.zeros_like(candidates, dtype=torch.bool)
+    if keep:
+        member.scatter_(-1, candidates.topk(keep, dim=-1).indices, True)
+    counts, offset = [], 0
+    for _, start, end in ranges:
+        counts.append(float(member[:, :, offset : offset + end - start].float().sum(dim=-1).mean()))
+        offset += end - start
+    total = sum(counts)
+    share = [c * keep / total if total else 0.0 for c in counts]
+    quotas = [int(s) for s in share]
+    by_remainder = sorted(range(len(share)), key=lambda i: share[i] - quotas[i], reverse=True)
+    for i in by_remainder[: keep - sum(quotas)]:
+        quotas[i] += 1
+    return quotas
+
+
+def _kept_slots(
+    cache: SessionCache, own: torch.Tensor, ranges: list[tuple[int, int, int]], quotas: list[int]
+) -> torch.Tensor:
+    """`[L, kv, kept]` own slot index each head keeps, ascending."""
+    layers_n, kv_heads = own.shape[0], own.shape[1]
+    pieces, cursor = [], 0
+    for (_, start, end), quota in zip(ranges, quotas, strict=True):
+        if start > cursor:  # a non-evictable run: kept whole
+            pieces.append(torch.arange(cursor, start).expand(layers_n, kv_heads, -1))
+        top = own[:, :, start:end].topk(quota, dim=-1).indices.sort(dim=-1).values + start
+        pieces.append(top)
+        cursor = end
+    if cursor < cache.own_tokens:
+        pieces.append(torch.arange(cursor, cache.own_tokens).expand(layers_n, kv_heads, -1))
+    return torch.cat(pieces, dim=-1)
+
+
+def _gather(
+    cache: SessionCache, slots: torch.Tensor, ranges: list[tuple[int, int, int]], quotas: list[int]
+) -> SessionCache:
+    old_index = cache.own_stream_index
+    if old_index is None:
+        flat = stream_index_of(cache.layers)
+        old_index = tuple(flat.expand(slots.shape[1], -1) for _ in cache.own_keys)
+    keys, values, stream_index = [], [], []
+    for layer, (k, v) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
+        index = slots[layer].to(k.device)  # [kv, kept]
+        expanded = index[None, :, :, None].expand(1, k.shape[1], index.shape[1], k.shape[3])
+        keys.append(torch.gather(k, 2, expanded))
+        values.append(torch.gather(v, 2, expanded))
+        stream_index.append(torch.gather(old_index[layer], 1, slots[layer]))
+    spans: list[LayerSpan] = list(cache.layers)
+    for (position, start, end), quota in zip(ranges, quotas, strict=True):
+        dropped = end - start - quota
+        span = spans[position]
+        spans[position] = replace(
+            span, token_count=span.token_count - dropped, evicted_tokens=span.evicted_tokens + dropped
+        )
+    return replace(
+        cache,
+        own_keys=tuple(keys),
+        own_values=tuple(values),
+        layers=tuple(spans),
+        own_stream_index=tuple(stream_index),
+    )

@@ -1,0 +1,175 @@
+"""The window step before a reuse turn: make base + kept tokens + prefill + reply fit the budget.
+
+Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
+
+- `turns` (default, exact per layer): `WindowPolicy.plan` picks the oldest unpinned turn layers,
+  `demote` drops them and re-rotates the kept keys (or re-prefills the kept layers when the model
+  has no known RoPE layout).
+- `attention` (lossy): the turn's own ids (closing of the last turn plus the new turn) are first
+  prefilled on a throwaway copy of the cache while the last `observation_tokens` queries of every
+  model layer are captured (`cache.attention_scores`); their attention ranks the cached tokens and
+  each KV head evicts its least attended tokens of the unpinned turn layers, never the base layer
+  nor the `recent_tokens` most recent (`cache.token_eviction`). The turn itself then prefills the
+  same ids on the smaller cache, so scoring costs one extra prefill of the turn, only on turns
+  that must shrink the window.
+
+Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
+positions would pass the model's position limit takes the rebuild path instead
+(`positions_overflow`), which under `attention` prefills the kept past at contiguous positions
+and evicts from it the same way (`TurnRunner._rebuild_by_attention` in `sessions/turns.py`).
+
+A session's cache works under either policy, so changing `window_policy` on a home with sessions
+is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
+it), `attention` evicts from layers that `turns` re-rotated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+
+from cache.attention_scores import ObservationWindow
+from cache.session_cache import LayerSpan, SessionCache
+from cache.token_eviction import evict_by_scores, evictable_tokens
+from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation, kept_layers
+from sessions.engine import Engine
+from sessions.engine.request import KVAccountant
+from sessions.errors import ContextTooLong
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FittedWindow:
+    """The cache a reuse turn starts from.
+
+    Attributes:
+        cache: after demotion or eviction.
+        demoted_tokens: tokens per KV head windowed out before this turn (whole layers, or
+            evicted tokens).
+        last_demoted: the last turn layer was demoted, so its closing ids are not fed.
+        scoring_s / eviction_s: seconds spent scoring (the extra prefill with the observation
+            window) and gathering the kept tokens, under `attention` (0 otherwise).
+    """
+
+    cache: SessionCache
+    demoted_tokens: int
+    last_demoted: bool
+    scoring_s: float = 0.0
+    eviction_s: float = 0.0
+
+
+class TurnWindow:
+    """Fits a reuse turn into the window under the configured policy (see the module docstring).
+
+    Args:
+        engine: runs the scoring prefill and any re-prefill of kept layers.
+        window: the budget and policy settings.
+        accountant: pays for the working buffers of those prefills out of the device budget
+            (idle caches move down first), as the engine loop does for a request's buffer;
+            `None` reserves nothing.
+    """
+
+    def __init__(self, engine: Engine, window: WindowPolicy, accountant: KVAccountant | None = None) -> None:
+        self.engine = engine
+        self.window = window
+        self.accountant = accountant
+
+    @contextmanager
+    def device_buffer(self, tokens: int) -> Iterator[None]:
+        """Hold a device reservation for a working buffer of `tokens` tokens while the block runs.
+        Forced: a prefill that must run is never refused, but idle caches make room first."""
+        nbytes = tokens * self.engine.layout.bytes_per_token
+        if self.accountant is None or nbytes <= 0:
+            yield
+            return
+        self.accountant.reserve_device_bytes(nbytes, force=True)
+        try:
+            yield
+        finally:
+            self.accountant.release_device_bytes(nbytes)
+
+    def positions_overflow(self, cache: SessionCache, prefill_tokens: int, max_new_tokens: int) -> bool:
+        """Would this turn run past the model's positions (possible once tokens were evicted with
+        their positions kept)? Then the turn must rebuild its window from the transcript."""
+        return cache.next_position + prefill_tokens + max_new_tokens > self.engine.max_context_tokens
+
+    def plan_layers(
+        self, layers: Sequence[LayerSpan], base_tokens: int, closing_tokens: int, turn_tokens: int, max_new_tokens: int
+    ) -> WindowPlan:
+        """`WindowPolicy.plan`, with `ContextOverflow` raised as `ContextTooLong`."""
+        try:
+            return self.window.plan(layers, base_tokens, closing_tokens, turn_tokens, max_new_tokens)
+        except ContextOverflow as exc:
+            raise ContextTooLong(exc.needed_tokens, exc.budget_tokens) from None
+
+    def fit(
+        self, cache: SessionCache, closing: Sequence[int], turn: Sequence[int], max_new_tokens: int
+    ) -> FittedWindow:
+        """Shrink `cache` so the turn fits.
+
+        Raises:
+            ContextTooLong: if it cannot fit (pinned turns, base and the recent window too large).
+        """
+        if self.window.policy == "attention":
+            return self._evict(cache, [*closing, *turn], max_new_tokens)
+        window = self.plan_layers(cache.layers, cache.base_tokens, len(closing), len(turn), max_new_tokens)
+        last = cache.layers[-1].original_start if cache.layers else None
+        last_demoted = any(span.original_start == last for span in window.demote)
+        if window.demote:
+            cache = self.demote(cache, window.demote)
+        return FittedWindow(cache, window.demoted_tokens, last_demoted)
+
+    def _evict(self, cache: SessionCache, prefill: list[int], max_new_tokens: int) -> FittedWindow:
+        needed = cache.total_tokens + len(prefill) + max_new_tokens
+        excess = needed - self.window.budget_tokens
+        if excess <= 0:
+            return FittedWindow(cache, 0, False)
+        evictable = evictable_tokens(cache, self.window.recent_tokens)
+        if excess > evictable:
+            raise ContextTooLong(needed - evictable, self.window.budget_tokens)
+        started = time.perf_counter()
+        scores = self.score(cache, prefill)
+        scored = time.perf_counter()
+        evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
+        return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored)
+
+    def score(self, cache: SessionCache, prefill: Sequence[int]) -> torch.Tensor:
+        """`[num_model_layers, kv_heads, cache.total_tokens]` float32 importance of the cached tokens
+        to the last `observation_tokens` of `prefill` (prefilled on a copy of the cache, which is
+        then dropped; the copy's buffer is reserved against the device budget meanwhile)."""
+        with self.device_buffer(cache.total_tokens + len(prefill)):
+            working = cache.to_working_cache(len(prefill))
+            with ObservationWindow(working, self.window.observation_tokens) as observed:
+                self.engine.prefill(working, prefill)
+            del working
+            return observed.scores(cache.total_tokens)
+
+    def demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
+        """Drop whole layers: re-rotate the kept keys, or re-prefill the kept layers (evicted
+        tokens included: that path is exact) when the model has no known RoPE layout."""
+        if self.engine.rope_layout is not None:
+            return demote_by_rotation(cache, demote, self.engine.rope_layout)
+        kept = kept_layers(cache, demote)
+        ids = [i for span, _, off in kept for i in cache.own_token_ids[off : off + span.original_tokens]]
+        spans, position = [], cache.base_tokens
+        for span, _, _ in kept:
+            spans.append(replace(span, position_start=position, token_count=span.original_tokens, evicted_tokens=0))
+            position += span.original_tokens
+        return self.prefill_layers(self.engine.empty_cache(cache.base), ids, spans)
+
+    def prefill_layers(self, cache: SessionCache, ids: Sequence[int], spans: Sequence[LayerSpan]) -> SessionCache:
+        """`cache` with `ids` prefilled after it as the layers `spans`, at once and outside the
+        engine loop (a demotion's re-prefill, a rebuild's kept past), its working buffer reserved
+        against the device budget meanwhile. `cache` itself when `ids` is empty."""
+        if not ids:
+            return cache
+        with self.device_buffer(len(ids)):
+            working = cache.to_working_cache(len(ids))
+            self.engine.prefill(working, ids)
+            return cache.after_turn(working, ids, spans)

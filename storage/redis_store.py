@@ -1,0 +1,370 @@
+"""The Redis blob store: the shared KV tier that replicas load sealed caches from (DESIGN.md, "Scale-out").
+
+Each sealed blob is ONE Redis string written by ONE `SET key blob EX ttl` (never a payload key plus
+a metadata key, which a crash or an eviction could separate). Keys are
+`<prefix>:<fingerprint[:16]>:<tenant id>:{<name>}`: namespaced by model and tenant, with the
+session (or base layer) name as the Redis Cluster hash tag, so all of one session's keys live in
+one slot. The `cache_blobs` rows at location `"redis"` say what is where (rows written by every
+replica sharing the database); a TTL, and an optional byte budget over those rows, keep the tier
+bounded. Redis may drop a value behind the store (TTL, `maxmemory` eviction, a flush): `get` then
+raises `BlobNotFound` and removes the stale row, and the caller rebuilds the cache.
+
+A Redis that cannot be reached raises `RedisUnavailable` from `put` and `get`; `delete` still
+drops the row, `contains` answers `False`. The first failed call costs up to the client timeout
+(a Redis that accepts connections but never answers); then a circuit breaker (`CircuitBreaker`)
+fails every call at once for `retry_after_s`, after which one call tries Redis again while the
+others keep failing at once. So a hung Redis costs one timeout per `retry_after_s`, not one per
+call, and never stalls every turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Generic, cast
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+from redis.retry import Retry
+
+from storage.blob_stores import BlobNotFound, K, _check_name
+from storage.errors import StorageError
+from storage.metadata_store import BlobRecord, MetadataStore
+
+log = logging.getLogger(__name__)
+
+LOCATION = "redis"
+"""`cache_blobs.location` of the rows of this tier."""
+
+RedisClient = redis.Redis | RedisCluster
+_DELETE_BATCH = 256
+
+
+class RedisUnavailable(StorageError):
+    """Redis could not be reached, timed out, or answered with an error (cluster errors included)."""
+
+
+class CircuitBreaker:
+    """Closed until a call fails; then open: `admit` refuses every call for `retry_after_s`; then
+    half-open: `admit` lets exactly one call through (the trial), refusing the others until the
+    trial's outcome closes or re-opens it. Thread-safe.
+
+    pybreaker's half-open state lets every concurrent call through, so N turns arriving after
+    the pause would each wait a full timeout on a hung Redis; hence this small one.
+
+    Raises:
+        ValueError: `retry_after_s` is not positive.
+    """
+
+    def __init__(self, retry_after_s: float) -> None:
+        if not retry_after_s > 0:
+            raise ValueError(f"retry_after_s must be positive, got {retry_after_s}")
+        self.retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._opened_at: float | None = None
+        self._trial = False
+
+    def admit(self) -> bool:
+        """Whether a call may go to Redis now (in half-open state, it becomes the trial)."""
+        with self._lock:
+            if self._opened_at is None:
+                return True
+            if self._trial or time.monotonic() - self._opened_at < self.retry_after_s:
+                return False
+            self._trial = True
+            return True
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._opened_at, self._trial = None, False
+
+    def failed(self) -> None:
+        with self._lock:
+            self._opened_at, self._trial = time.monotonic(), False
+
+    def abandoned(self) -> None:
+        """The call ended without telling whether Redis works (the caller's own error): a trial
+        slot it held is given back, the state is left as it was."""
+        with self._lock:
+            self._trial = False
+
+
+def connect_redis(url: str, *, cluster: bool = False, timeout_s: float = 2.0) -> RedisClient:
+    """A client for `url` (`redis://` or `rediss://`) whose calls give up after about `timeout_s`.
+
+    Connect and read timeouts are `timeout_s`; a failed call is retried once at once (a pooled
+    connection the server closed while idle fails on first use), so a server that is down costs at
+    most about `2 * timeout_s` per call, never a hang. Responses are raw bytes.
+
+    A standalone client connects on first use. `cluster=True` returns redis-py's `RedisCluster`,
+    which reads the slot map from a node while it is built.
+
+    Raises:
+        ValueError: `url` is not a `redis://` or `rediss://` URL.
+        RedisUnavailable: `cluster=True` and no node of the cluster answers.
+    """
+    if not url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"not a Redis URL (want redis://host:port/db or rediss://…): {url!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    options = {
+        "socket_connect_timeout": timeout_s,
+        "socket_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 1),
+        "decode_responses": False,
+    }
+    if not cluster:
+        return redis.Redis.from_url(url, **options)
+    try:
+        return RedisCluster.from_url(url, **options)
+    except (RedisError, RedisClusterException) as exc:
+        raise RedisUnavailable(f"Redis Cluster at {url} does not answer: {exc}") from exc
+
+
+class RedisBlobStore(Generic[K]):
+    """Sealed blobs in Redis or Redis Cluster (the shared `redis` tier), indexed in `cache_blobs`.
+
+    Implements the same methods as `storage.blob_stores.DiskBlobStore` (the `cache.tiers.BlobStore`
+    protocol, structurally). Thread-safe: redis-py clients and `MetadataStore` are.
+
+    Args:
+        client: from `connect_redis` (standalone or cluster).
+        metadata: the database holding the `cache_blobs` rows.
+        model_fingerprint: its first 16 characters namespace the keys; recorded in each row.
+        key_factory: builds a key from `(tenant_id, name)`.
+        prefix: first component of every key (lets several deployments or test runs share a Redis).
+        ttl_s: seconds each value lives after its last write (> 0).
+        budget_bytes: most bytes of this fingerprint's rows kept; the oldest go first. 0: TTL only.
+        retry_after_s: after a failed call, seconds during which calls fail at once without
+            trying Redis (> 0).
+
+    Raises:
+        ValueError: a bad `prefix`, fingerprint, `ttl_s`, `budget_bytes` or `retry_after_s`.
+    """
+
+    location = LOCATION
+
+    def __init__(
+        self,
+        client: RedisClient,
+        metadata: MetadataStore,
+        model_fingerprint: str,
+        key_factory: Callable[[str, str], K],
+        *,
+        prefix: str = "chatkv",
+        ttl_s: int = 7 * 24 * 3600,
+        budget_bytes: int = 0,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self._namespace = f"{_check_name(prefix)}:{_check_name(model_fingerprint[:16])}"
+        self._client = client
+        self._metadata = metadata
+        self._fingerprint = model_fingerprint
+        self._key_factory = key_factory
+        self.ttl_s = ttl_s
+        self.budget_bytes = budget_bytes
+        self._down = False
+        self._down_lock = threading.Lock()
+        self.retry_after_s = retry_after_s
+        self._breaker = CircuitBreaker(retry_after_s)
+
+    def redis_key(self, key: K) -> str:
+        """`<prefix>:<fingerprint[:16]>:<tenant id>:{<name>}`. Raises `ValueError` for an unsafe part."""
+        return f"{self._namespace}:{_check_name(key.tenant_id)}:{{{_check_name(key.name)}}}"
+
+    def put(self, key: K, blob: bytes) -> None:
+        """Store `blob` under `key` with the TTL and record its row, then hold the byte budget.
+
+        If the owning session or tenant is gone, the value is deleted again and nothing is kept.
+        Raises `RedisUnavailable` if Redis fails (no row is recorded then).
+        """
+        redis_key = self.redis_key(key)
+        with self._redis(f"put {redis_key}"):
+            self._client.set(redis_key, blob, ex=self.ttl_s)
+        recorded = self._metadata.put_blob(
+            tenant_id=key.tenant_id,
+            session_id=None if key.name.startswith("base-") else key.name,
+            name=key.name,
+            tier=LOCATION,
+            path=redis_key,
+            nbytes=len(blob),
+            checksum=hashlib.sha256(blob).hexdigest(),
+            model_fingerprint=self._fingerprint,
+            location=LOCATION,
+        )
+        if not recorded:
+            # Its session or tenant was deleted meanwhile: the blob is not wanted any more.
+            self._delete_keys([redis_key])
+            log.debug("dropped redis blob %s/%s: its owner is gone", key.tenant_id, key.name)
+            return
+        if self.budget_bytes:
+            self._hold_budget(key)
+
+    def get(self, key: K) -> bytes:
+        """The blob of `key`.
+
+        Raises:
+            BlobNotFound: no row, or Redis no longer holds the value (expired, evicted, flushed);
+                a row without its value is deleted.
+            RedisUnavailable: Redis cannot be reached.
+        """
+        redis_key = self.redis_key(key)
+        if self._metadata.get_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION) is None:
+            # A value without a row was deleted while Redis was down (it waits for its TTL):
+            # it may be an older cache of the session, so it is never served.
+            raise BlobNotFound(key.tenant_id, key.name)
+        with self._redis(f"get {redis_key}"):
+            blob = cast(bytes | None, self._client.get(redis_key))
+        if blob is None:
+            log.info("redis blob %s/%s is gone (TTL, eviction or flush): dropping its row", key.tenant_id, key.name)
+            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION)
+            raise BlobNotFound(key.tenant_id, key.name)
+        return blob
+
+    def delete(self, key: K) -> None:
+        """Delete value and row; if Redis is down the row still goes (the TTL removes the value)."""
+        self._delete_keys([self.redis_key(key)])
+        self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION)
+
+    def contains(self, key: K) -> bool:
+        """Whether Redis holds the value of `key` now (`False` if Redis cannot be reached)."""
+        redis_key = self.redis_key(key)
+        try:
+            with self._redis(f"exists {redis_key}"):
+                return bool(self._client.exists(redis_key))
+        except RedisUnavailable:
+            return False
+
+    def nbytes(self, key: K) -> int:
+        """Length of the stored value (0 if absent or if Redis cannot be reached)."""
+        redis_key = self.redis_key(key)
+        try:
+            with self._redis(f"strlen {redis_key}"):
+                return int(cast(int, self._client.strlen(redis_key)))
+        except RedisUnavailable:
+            return 0
+
+    def keys(self) -> list[K]:
+        """Keys of this fingerprint's rows, oldest first (written by any replica)."""
+        return [self._key_factory(row.tenant_id, row.name) for row in self._rows()]
+
+    def used_bytes(self) -> int:
+        """Bytes recorded in this fingerprint's rows (values Redis dropped count until noticed)."""
+        return sum(row.nbytes for row in self._rows())
+
+    def reconcile(self) -> list[K]:
+        """Drop this fingerprint's rows whose value Redis no longer holds; return the others' keys,
+        oldest first. If Redis cannot be reached, rows are kept and all their keys returned."""
+        kept: list[K] = []
+        try:
+            for row in self._rows():
+                with self._redis(f"exists {row.path}"):
+                    present = bool(self._client.exists(row.path))
+                if present:
+                    kept.append(self._key_factory(row.tenant_id, row.name))
+                else:
+                    self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION)
+        except RedisUnavailable:
+            return self.keys()
+        return kept
+
+    def delete_tenant(self, tenant_id: str) -> None:
+        """Delete every value and row of the tenant in this tier (all fingerprints), and any key
+        under this store's namespace left without a row. Call it before the tenant's rows go."""
+        rows = self._metadata.list_blobs(tenant_id=tenant_id, location=LOCATION)
+        pattern = f"{self._namespace}:{_check_name(tenant_id)}:*"
+        orphans: list[str] = []
+        try:
+            with self._redis(f"scan {pattern}"):
+                orphans = [k.decode() for k in self._scan(pattern)]
+        except RedisUnavailable:
+            pass  # already logged; the values expire with their TTL
+        self._delete_keys([row.path for row in rows] + orphans)
+        for row in rows:
+            self._metadata.delete_blob(tenant_id=tenant_id, name=row.name, location=LOCATION)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _rows(self) -> list[BlobRecord]:
+        """This fingerprint's rows, oldest first."""
+        return [
+            row for row in self._metadata.list_blobs(location=LOCATION) if row.model_fingerprint == self._fingerprint
+        ]
+
+    def _scan(self, pattern: str) -> Iterator[bytes]:
+        if isinstance(self._client, RedisCluster):
+            return cast(Iterator[bytes], self._client.scan_iter(match=pattern, target_nodes=RedisCluster.PRIMARIES))
+        return cast(Iterator[bytes], self._client.scan_iter(match=pattern))
+
+    def _hold_budget(self, written: K) -> None:
+        """Delete the oldest rows of this fingerprint and their values until the rows fit the budget;
+        the blob just written goes last, only if it alone exceeds the budget."""
+        rows = self._rows()
+        total = sum(row.nbytes for row in rows)
+        newest = [r for r in rows if (r.tenant_id, r.name) == (written.tenant_id, written.name)]
+        for row in [r for r in rows if (r.tenant_id, r.name) != (written.tenant_id, written.name)] + newest:
+            if total <= self.budget_bytes:
+                return
+            if row in newest:
+                log.warning(
+                    "redis blob %s/%s (%d bytes) alone exceeds the redis budget of %d bytes: not kept",
+                    row.tenant_id,
+                    row.name,
+                    row.nbytes,
+                    self.budget_bytes,
+                )
+            else:
+                log.debug("redis budget: evicting %s/%s (%d bytes)", row.tenant_id, row.name, row.nbytes)
+            self._delete_keys([row.path])
+            self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION)
+            total -= row.nbytes
+
+    def _delete_keys(self, redis_keys: list[str]) -> None:
+        """DEL the keys; if Redis is down, log it and leave them to their TTL."""
+        try:
+            for start in range(0, len(redis_keys), _DELETE_BATCH):
+                batch = redis_keys[start : start + _DELETE_BATCH]
+                with self._redis(f"delete {len(batch)} keys"):
+                    self._client.delete(*batch)
+        except RedisUnavailable:
+            pass  # already logged; the values expire with their TTL
+
+    @contextmanager
+    def _redis(self, what: str) -> Iterator[None]:
+        """Run the block if the circuit breaker admits it; turn redis-py's failures, and the
+        breaker's refusals, into `RedisUnavailable`. Log the first failure of an outage as a
+        warning (the later ones at debug) and the recovery once."""
+        if not self._breaker.admit():
+            log.debug("redis not tried (%s): it failed less than %g s ago", what, self.retry_after_s)
+            raise RedisUnavailable(
+                f"redis unavailable ({what}): not tried for {self.retry_after_s:g} s after a failure"
+            )
+        try:
+            yield
+        except (RedisError, RedisClusterException) as exc:
+            self._breaker.failed()
+            with self._down_lock:
+                first, self._down = not self._down, True
+            log.log(logging.WARNING if first else logging.DEBUG, "redis unavailable (%s): %s", what, exc)
+            raise RedisUnavailable(f"redis unavailable ({what}): {exc}") from exc
+        # Not a blanket catch: the caller's own error (or a generator closed early) says nothing
+        # about Redis; the trial slot is given back and the error propagates unchanged.
+        except BaseException:
+            self._breaker.abandoned()
+            raise
+        self._breaker.succeeded()
+        if self._down:
+            with self._down_lock:
+                recovered, self._down = self._down, False
+            if recovered:
+                log.info("redis answers again")
