@@ -202,6 +202,7 @@ class TierManager(TierMoves):
             with self._lock:
                 self._drop_blobs(entry, shared=tier is Tier.REDIS)
                 entry.tier, entry.cache, entry.nbytes = None, None, 0
+                entry.version += 1  # a publish of the rejected version under way records nothing
             if tier is Tier.REDIS:
                 self._delete_shared(entry.key)
             return Restored(None, None, time.perf_counter() - started, rejected=True)
@@ -242,6 +243,9 @@ class TierManager(TierMoves):
         with self._lock:
             self._release_entry(entry)
             self._drop_blobs(entry, shared=True)
+            # A publish of the discarded version under way (a hand-over the turn's claim called
+            # off, or a write-back) must neither record it nor be followed by another.
+            entry.version += 1
         self._delete_shared(entry.key)
 
     # -- base layers -----------------------------------------------------------------------------
@@ -287,11 +291,12 @@ class TierManager(TierMoves):
             entry.shared_version = None
 
     def _delete_shared(self, key: CacheKey) -> None:
-        """Delete the shared copy, outside the lock: Redis may take its timeout to answer, and
-        other sessions' turns must not wait for it. The session is leased (no newer version can
-        be published meanwhile), or forgotten."""
+        """Delete the shared copy, outside the tier lock (Redis may take its timeout to answer,
+        and other sessions' turns must not wait for it) and after any publish of the session
+        under way (which could otherwise store its copy again after the delete)."""
         if self._shared is not None:
-            self._shared.delete(key)
+            with self._publishing(key):
+                self._shared.delete(key)
 
     # -- explicit moves ------------------------------------------------------------------------
 
@@ -358,14 +363,18 @@ class TierManager(TierMoves):
         """Delete a session's cache in every tier (session deleted). A leased entry is detached and
         released when its lease ends."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-            self._writer.cancel(key)
-            if entry is not None and not entry.leased:
-                self._release_entry(entry)
-            elif entry is None:
-                for store in self._stores.values():
-                    store.delete(key)
+            self._forget_locally(key)
         self._delete_shared(key)
+
+    def _forget_locally(self, key: CacheKey) -> None:
+        """Under the lock: `forget` but for the shared copy."""
+        entry = self._entries.pop(key, None)
+        self._writer.cancel(key)
+        if entry is not None and not entry.leased:
+            self._release_entry(entry)
+        elif entry is None:
+            for store in self._stores.values():
+                store.delete(key)
 
     def forget_local(self, key: CacheKey) -> None:
         """Drop this process's copies of a session's cache and keep the shared one: another
@@ -432,8 +441,9 @@ class TierManager(TierMoves):
     def forget_tenant(self, tenant_id: TenantId) -> None:
         """Delete every cache and base layer of a tenant."""
         with self._lock:
-            for key in [k for k in self._entries if k.tenant_id == tenant_id]:
-                self.forget(key)
+            forgotten = [k for k in self._entries if k.tenant_id == tenant_id]
+            for key in forgotten:
+                self._forget_locally(key)
             for tier, store in self._stores.items():
                 for key in store.keys():
                     if key.tenant_id == tenant_id:
@@ -441,8 +451,10 @@ class TierManager(TierMoves):
                         log.debug("removed %s blob %s", tier, key.name)
             self._base_used = {k: v for k, v in self._base_used.items() if k.tenant_id != tenant_id}
             self.pool.drop_tenant(tenant_id)
-            if self._shared is not None:
-                self._shared.delete_tenant(tenant_id)
+        if self._shared is not None:  # Redis outside the tier lock, as in `_delete_shared`
+            for key in forgotten:
+                self._delete_shared(key)
+            self._shared.delete_tenant(tenant_id)
 
     # -- write-back: `WriteBack` runs the jobs and yields to turns; what to write is decided here --
 

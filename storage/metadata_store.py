@@ -462,13 +462,15 @@ class MetadataStore:
             return False
         return True
 
-    def delete_blob(self, *, tenant_id: str, name: str, location: str = "") -> None:
+    def delete_blob(self, *, tenant_id: str, name: str, location: str = "", checksum: str | None = None) -> bool:
+        """Delete the row of blob `(tenant_id, name)` at `location`; with `checksum`, only if the
+        row still records that blob (not one written since by another writer). Returns whether a
+        row was deleted."""
+        where = [CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name, CacheBlobRow.location == location]
+        if checksum is not None:
+            where.append(CacheBlobRow.checksum == checksum)
         with self._unit() as db:
-            db.execute(
-                delete(CacheBlobRow).where(
-                    CacheBlobRow.tenant_id == tenant_id, CacheBlobRow.name == name, CacheBlobRow.location == location
-                )
-            )
+            return bool(getattr(db.execute(delete(CacheBlobRow).where(*where)), "rowcount", 0))
 
     def get_blob(self, *, tenant_id: str, name: str, location: str = "") -> BlobRecord | None:
         """The row of blob `(tenant_id, name)` at `location`, or `None`."""

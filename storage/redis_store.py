@@ -219,7 +219,8 @@ class RedisBlobStore(Generic[K]):
             RedisUnavailable: Redis cannot be reached.
         """
         redis_key = self.redis_key(key)
-        if self._metadata.get_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION) is None:
+        row = self._metadata.get_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION)
+        if row is None:
             # A value without a row was deleted while Redis was down (it waits for its TTL):
             # it may be an older cache of the session, so it is never served.
             raise BlobNotFound(key.tenant_id, key.name)
@@ -227,7 +228,8 @@ class RedisBlobStore(Generic[K]):
             blob = cast(bytes | None, self._client.get(redis_key))
         if blob is None:
             log.info("redis blob %s/%s is gone (TTL, eviction or flush): dropping its row", key.tenant_id, key.name)
-            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION)
+            # Only the row read above: a writer may have stored the blob again since.
+            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION, checksum=row.checksum)
             raise BlobNotFound(key.tenant_id, key.name)
         return blob
 
@@ -273,7 +275,9 @@ class RedisBlobStore(Generic[K]):
                 if present:
                     kept.append(self._key_factory(row.tenant_id, row.name))
                 else:
-                    self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION)
+                    self._metadata.delete_blob(
+                        tenant_id=row.tenant_id, name=row.name, location=LOCATION, checksum=row.checksum
+                    )
         except RedisUnavailable:
             return self.keys()
         return kept
@@ -325,8 +329,12 @@ class RedisBlobStore(Generic[K]):
                 )
             else:
                 log.debug("redis budget: evicting %s/%s (%d bytes)", row.tenant_id, row.name, row.nbytes)
-            self._delete_keys([row.path])
-            self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION)
+            # The row first, and only if it still records the blob read above: a replica may have
+            # published that session again since (a hand-over), and its new copy must stay.
+            if self._metadata.delete_blob(
+                tenant_id=row.tenant_id, name=row.name, location=LOCATION, checksum=row.checksum
+            ):
+                self._delete_keys([row.path])
             total -= row.nbytes
 
     def _delete_keys(self, redis_keys: list[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -209,7 +210,8 @@ def test_sessions_inspect_show_and_export(cli: Cli, home: Path, tiny_engine: Eng
     # Half-open ranges: [0, b) then [b, ...) do not read as overlapping.
     base_end = layers[0]["positions"][1]
     assert f"[0, {base_end})" in plain and f"[{base_end}, {layers[1]['positions'][1]})" in plain
-    assert "2 (4 messages," in plain
+    assert "2 (4 messages)" in plain
+    assert re.search(rf"^context tokens +{detail['session']['token_count']} *$", plain, re.MULTILINE), plain
 
     exported = json.loads(cli.ok("sessions", "export", sid, "--tenant", "acme").stdout)
     assert exported["system_prompt"] == "You are terse."

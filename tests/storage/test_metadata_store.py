@@ -225,6 +225,16 @@ def test_writers_of_one_blob_row_at_once_all_succeed(metadata: MetadataStore) ->
         assert len(rows) == 1 and rows[0].nbytes in [100 * attempt + i for i in range(writers)]
 
 
+def test_delete_blob_with_a_checksum_deletes_only_that_blobs_row(metadata: MetadataStore) -> None:
+    add_session(metadata, "tn_a", "s_1")
+    put_row(metadata, "tn_a", "s_1", 10, "s_1")  # checksum "0" * 64
+    assert metadata.delete_blob(tenant_id="tn_a", name="s_1", checksum="1" * 64) is False
+    assert [r.name for r in metadata.list_blobs()] == ["s_1"]
+    assert metadata.delete_blob(tenant_id="tn_a", name="s_1", checksum="0" * 64) is True
+    assert metadata.list_blobs() == []
+    assert metadata.delete_blob(tenant_id="tn_a", name="s_1") is False
+
+
 def test_a_blob_row_needs_an_existing_tenant(metadata: MetadataStore) -> None:
     assert put_row(metadata, "tn_missing", "base-x", 1) is False  # refused by the foreign key
     assert metadata.list_blobs() == []

@@ -180,6 +180,23 @@ def test_budget_evicts_the_oldest_first(
     assert "tn_b/s_3 (300 bytes) alone exceeds the redis budget of 250 bytes" in caplog.text
 
 
+def test_budget_eviction_keeps_a_blob_written_again_since_it_read_the_rows(
+    rows: MetadataStore, shared: redis.Redis, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another replica hands S1 over (publishes it again) while this one's budget pass, which read
+    # the rows before, evicts S1 as the oldest: the new copy must stay.
+    store = make_store(shared, rows, redis_prefix, budget_bytes=150)
+    store.put(S1, blob(100, seed=1))
+    read_before = store._rows()
+    store.put(S1, blob(100, seed=2))
+    current = store._rows
+    monkeypatch.setattr(store, "_rows", lambda: [*read_before, *[r for r in current() if r.name != S1.name]])
+    store.put(S2, blob(100))  # 200 > 150 by the rows it read: it tries to evict S1's old copy
+    monkeypatch.undo()
+    assert store.get(S1) == blob(100, seed=2)
+    assert {name for _, name in redis_rows(rows)} == {"s_1", "s_2"}
+
+
 def test_a_put_for_a_deleted_session_leaves_no_key_and_no_row(
     rows: MetadataStore, shared: redis.Redis, redis_prefix: str
 ) -> None:
