@@ -19,7 +19,6 @@ for a missing one; 503 with `Retry-After` while the database cannot be reached).
 from __future__ import annotations
 
 import hmac
-import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -32,11 +31,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from app.admin_ops import AdminOps, Json
-from app.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S
+from app.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_outage
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
-
-log = logging.getLogger(__name__)
 
 UNAUTHORIZED_MESSAGE = "missing or wrong admin token"
 
@@ -72,9 +69,8 @@ def _admin_route_class(expected_token: bytes) -> type[APIRoute]:
                 except RequestValidationError as exc:
                     return JSONResponse({"error": _validation_message(exc)}, status_code=422)
                 except DATABASE_ERRORS as exc:
-                    log.warning("the database is unavailable: %s", str(exc.orig or exc).splitlines()[0])
                     return JSONResponse(
-                        {"error": "the database is unavailable; retry shortly"},
+                        {"error": database_outage(exc)},
                         status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
                         headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
                     )

@@ -116,10 +116,9 @@ def response_for(exc: Exception) -> JSONResponse:
         message, param = validation_message(exc)
         return error_response(400, message, "invalid_request", param=param)
     if isinstance(exc, DATABASE_ERRORS):
-        log.warning("the database is unavailable: %s", str(exc.orig or exc).splitlines()[0])
         return error_response(
             503,
-            "the database is unavailable; retry shortly",
+            database_outage(exc),
             "database_unavailable",
             headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
         )
@@ -127,6 +126,12 @@ def response_for(exc: Exception) -> JSONResponse:
         code = "request_too_large" if exc.status_code == 413 else "invalid_request"
         return error_response(exc.status_code, str(exc.detail), code, headers=exc.headers)
     raise TypeError(f"not an API error: {type(exc).__name__}")
+
+
+def database_outage(exc: OperationalError | InterfaceError) -> str:
+    """Log a request's database error in one line; the message to answer it with (a 503)."""
+    log.warning("the database is unavailable: %s", str(exc.orig or exc).splitlines()[0])
+    return "the database is unavailable; retry shortly"
 
 
 def _code(exc: ChatKVError) -> str:

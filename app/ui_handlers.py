@@ -101,15 +101,7 @@ class ChatUI:
             api_key="",
             tenant_line="",
             session_picker=gr.update(choices=[], value=None),
-            session_info="",
-            chatbot=[],
-            message=input_update(True, value=""),
-            send_button=input_update(True),
-            stats_line="",
-            stats_table=[],
-            error_line="",
-            stop_button=stop_button_update(False),
-            reply_note="",
+            **_no_session_shown(),
         )
 
     def _signed_in(self, tenant: Tenant, api_key: str | None, remembered: object) -> View:
@@ -122,15 +114,7 @@ class ChatUI:
             api_key="",
             tenant_line=f"Tenant <b>{html.escape(tenant.name)}</b> · model {html.escape(self.manager.model_name)}",
             session_picker=self._labels.picker(tenant, None),
-            session_info="",
-            chatbot=[],
-            message=input_update(True, value=""),
-            send_button=input_update(True),
-            stats_line="",
-            stats_table=[],
-            error_line="",
-            stop_button=stop_button_update(False),
-            reply_note="",
+            **_no_session_shown(),
         )
         session_id = remembered_session(remembered, tenant)
         if session_id is None:
@@ -409,6 +393,21 @@ class ChatUI:
             )
         except ChatKVError as exc:  # e.g. the session was deleted by an operator just now
             return view._replace(error_line=error_html(str(exc)))
+
+
+def _no_session_shown() -> dict[str, Any]:
+    """The session components of a tab that shows no session yet (after sign-in or sign-out)."""
+    return {
+        "session_info": "",
+        "chatbot": [],
+        "message": input_update(True, value=""),
+        "send_button": input_update(True),
+        "stats_line": "",
+        "stats_table": [],
+        "error_line": "",
+        "stop_button": stop_button_update(False),
+        "reply_note": "",
+    }
 
 
 def local_tenant(manager: SessionManager) -> Tenant:

@@ -23,8 +23,6 @@ import time
 from typing import Any
 
 from _common import (
-    PARAGRAPHS,
-    QUESTIONS,
     SYSTEM_PROMPT,
     base_parser,
     median,
@@ -33,17 +31,13 @@ from _common import (
     print_table,
     setup,
     temp_dir,
+    user_message,
     write_json,
 )
 
 POLICIES = ("turns", "attention")
 REPLY_TOKENS = 16
-
-
-def message(index: int) -> str:
-    paragraph = PARAGRAPHS[index % len(PARAGRAPHS)]
-    words = paragraph.split()
-    return " ".join(words[:70]) + " " + QUESTIONS[index % len(QUESTIONS)]
+MESSAGE_TOKENS = 100
 
 
 def run_policy(engine: Any, args: Any, policy: str) -> dict[str, Any]:
@@ -62,13 +56,14 @@ def run_policy(engine: Any, args: Any, policy: str) -> dict[str, Any]:
         sid = m.open_session(tenant, system_prompt=SYSTEM_PROMPT)
         index = 0
         for _ in range(args.turns):
-            m.chat(tenant, sid, message(index), max_new_tokens=REPLY_TOKENS)
+            m.chat(tenant, sid, user_message(engine, index, MESSAGE_TOKENS), max_new_tokens=REPLY_TOKENS)
             index += 1
         for _ in range(args.repeats):
             for kind in ("reuse", "rebuild"):
                 if kind == "rebuild":
                     m.evict_session(tenant, sid, "drop")
-                stats = m.chat(tenant, sid, message(index), max_new_tokens=REPLY_TOKENS).stats
+                text = user_message(engine, index, MESSAGE_TOKENS)
+                stats = m.chat(tenant, sid, text, max_new_tokens=REPLY_TOKENS).stats
                 index += 1
                 measured[kind].append(
                     {

@@ -134,7 +134,7 @@ class TierBlobStore:
         store: the store to adapt, keyed by `CacheKey`.
     """
 
-    def __init__(self, store: HostBlobStore[CacheKey] | DiskBlobStore[CacheKey]) -> None:
+    def __init__(self, store: HostBlobStore[CacheKey] | DiskBlobStore[CacheKey] | RedisBlobStore[CacheKey]) -> None:
         self.store = store
 
     def get(self, key: CacheKey) -> bytes:
@@ -163,53 +163,34 @@ class TierBlobStore:
         return self.store.used_bytes()
 
 
-class SharedBlobStore:
+class SharedBlobStore(TierBlobStore):
     """The Redis store as the tier manager's shared `BlobStore`: an absent blob, and a Redis that
     cannot be reached, read as `cache.tiers.BlobMissing` (the turn rebuilds from the transcript:
     a Redis outage costs a prefill, never a turn); a write that cannot reach Redis raises
-    `cache.tiers.StoreUnavailable` (the cache stays local). Each read that found Redis down is
-    counted in `unavailable`.
+    `cache.tiers.StoreUnavailable` (the cache stays local).
 
     Args:
         store: the Redis store, keyed by `CacheKey`.
     """
 
     def __init__(self, store: RedisBlobStore[CacheKey]) -> None:
-        self.store = store
-        self.unavailable = 0
+        super().__init__(store)
+        self.redis = store
 
     def get(self, key: CacheKey) -> bytes:
         """Raises `BlobMissing` if absent or if Redis cannot be reached."""
         try:
-            return self.store.get(key)
-        except BlobNotFound as exc:
-            raise BlobMissing(str(exc)) from exc
+            return super().get(key)
         except RedisUnavailable as exc:
-            self.unavailable += 1
             raise BlobMissing(f"Redis unavailable: {exc}") from exc
 
     def put(self, key: CacheKey, blob: bytes) -> None:
         """Raises `StoreUnavailable` if Redis cannot be reached."""
         try:
-            self.store.put(key, blob)
+            super().put(key, blob)
         except RedisUnavailable as exc:
             raise StoreUnavailable(str(exc)) from exc
 
-    def delete(self, key: CacheKey) -> None:
-        self.store.delete(key)
-
-    def contains(self, key: CacheKey) -> bool:
-        return self.store.contains(key)
-
-    def nbytes(self, key: CacheKey) -> int:
-        return self.store.nbytes(key)
-
-    def keys(self) -> list[CacheKey]:
-        return self.store.keys()
-
-    def used_bytes(self) -> int:
-        return self.store.used_bytes()
-
     def delete_tenant(self, tenant_id: TenantId) -> None:
         """Every blob of the tenant in Redis (call it before the tenant's rows are deleted)."""
-        self.store.delete_tenant(tenant_id)
+        self.redis.delete_tenant(tenant_id)

@@ -1,12 +1,14 @@
 """Database engine creation and schema migrations (Alembic, run programmatically).
 
-SQLite gets WAL journaling (readers do not block the writer) and enforced foreign keys; any other
-SQLAlchemy URL (PostgreSQL) works unchanged.
+SQLite gets WAL journaling (readers do not block the writer) and enforced foreign keys;
+PostgreSQL works unchanged; other databases are refused.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,26 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
+from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 MIGRATION_LOCK_ID = 0x63686174_6B76
 """PostgreSQL advisory lock key that serialises migrations of replicas sharing one database."""
 ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
+
+
+class Repository:
+    """Base of the stores over one SQLAlchemy database: each method is one unit of work."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
+
+    @contextmanager
+    def _unit(self) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        with self._sessionmaker.begin() as session:
+            yield session
 
 
 def make_engine(url: str) -> Engine:

@@ -7,16 +7,15 @@ not found (invariant 2). Results are frozen records detached from the ORM sessio
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Engine, delete, func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 
+from storage.database import Repository
 from storage.errors import AlreadyExists
 from storage.history_digest import extend_digest, history_digest
 from storage.replica_store import OwnerToken, check_owner
@@ -129,17 +128,8 @@ def _blob(row: CacheBlobRow) -> BlobRecord:
     )
 
 
-class MetadataStore:
+class MetadataStore(Repository):
     """Tenants, sessions, messages and cache blob rows in one SQLAlchemy database."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
-
-    @contextmanager
-    def _unit(self) -> Iterator[Session]:
-        with self._sessionmaker.begin() as session:
-            yield session
 
     # -- tenants -------------------------------------------------------------------------------
 

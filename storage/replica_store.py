@@ -13,15 +13,14 @@ Every method is one unit of work (one transaction) with keyword-only arguments.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import Engine, delete, func, or_, select, update
+from sqlalchemy import ColumnElement, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from storage.database import Repository
 from storage.errors import StorageError
 from storage.schema import ReplicaRow, SessionOwnerRow, SessionRow
 
@@ -107,17 +106,8 @@ class HeldLease:
     wanted_by: str | None
 
 
-class ReplicaStore:
+class ReplicaStore(Repository):
     """Replica registry and ownership leases in one SQLAlchemy database."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
-
-    @contextmanager
-    def _unit(self) -> Iterator[Session]:
-        with self._sessionmaker.begin() as session:
-            yield session
 
     # -- registry ------------------------------------------------------------------------------
 
@@ -328,12 +318,7 @@ class ReplicaStore:
         with self._unit() as db:
             result = db.execute(
                 update(SessionOwnerRow)
-                .where(
-                    SessionOwnerRow.session_id == session_id,
-                    SessionOwnerRow.replica_id == token.replica_id,
-                    SessionOwnerRow.incarnation == token.incarnation,
-                    SessionOwnerRow.epoch == token.epoch,
-                )
+                .where(*_held_by(session_id, token))
                 .values(replica_id=None, incarnation=None, wanted_by=None)
             )
             return bool(getattr(result, "rowcount", 0))
@@ -367,17 +352,22 @@ def check_owner(db: Session, *, session_id: str, token: OwnerToken) -> None:
     """
     result = db.execute(
         update(SessionOwnerRow)
-        .where(
-            SessionOwnerRow.session_id == session_id,
-            SessionOwnerRow.replica_id == token.replica_id,
-            SessionOwnerRow.incarnation == token.incarnation,
-            SessionOwnerRow.epoch == token.epoch,
-        )
+        .where(*_held_by(session_id, token))
         .values(epoch=SessionOwnerRow.epoch)
         .execution_options(synchronize_session=False)
     )
     if not getattr(result, "rowcount", 0):
         raise OwnershipLost(f"replica {token.replica_id} lost session {session_id} (epoch {token.epoch})")
+
+
+def _held_by(session_id: str, token: OwnerToken) -> tuple[ColumnElement[bool], ...]:
+    """The conditions of a lease row that `token` still holds (same process, same epoch)."""
+    return (
+        SessionOwnerRow.session_id == session_id,
+        SessionOwnerRow.replica_id == token.replica_id,
+        SessionOwnerRow.incarnation == token.incarnation,
+        SessionOwnerRow.epoch == token.epoch,
+    )
 
 
 def _record(row: ReplicaRow, *, sessions_owned: int) -> ReplicaRecord:

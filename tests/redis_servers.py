@@ -5,12 +5,15 @@ folder on free ports, with nothing persisted (`--save "" --appendonly no`)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +61,15 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2)
+
+    @contextlib.contextmanager
+    def hung(self) -> Iterator[None]:
+        """SIGSTOP the server for the block: it accepts connections and never answers."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """Terminate the process (kill it if it lingers); idempotent."""

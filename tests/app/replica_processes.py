@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.app.server_process import _wait_until_up, child_env, free_port
-from tests.conftest import MASTER_KEY, MODEL_CACHE, REPO
+from tests.app.server_process import start_serve
 
 
 @dataclass
@@ -65,27 +63,8 @@ def start_replica(home: Path, model: str, settings: Mapping[str, str]) -> Replic
     """`chatkv serve --model MODEL` on its own home with `CHATKV_*` `settings` (names without the
     prefix); returns once it answers `/healthz`."""
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = child_env(
-        {
-            "CHATKV_HOME": str(home),
-            "CHATKV_MODEL_CACHE_DIR": str(MODEL_CACHE),
-            "CHATKV_MASTER_KEY": MASTER_KEY,
-            "CHATKV_THREADS": "1",
-            **{f"CHATKV_{name.upper()}": value for name, value in settings.items()},
-        }
-    )
     log = home / "serve.log"
-    command = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(port), "--model", model]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out)
-    try:
-        _wait_until_up(url, process, log)
-    except AssertionError:
-        process.kill()
-        process.wait()
-        raise
+    url, process = start_serve(home, model, log, {"threads": "1", **settings})
     return Replica(url, home, log, process)
 
 

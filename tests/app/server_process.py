@@ -54,6 +54,24 @@ def chatkv_serve(home: Path, model: str, log: Path, **settings: str) -> Iterator
     Args:
         settings: `CHATKV_*` variables, e.g. `MAX_CONCURRENT_REQUESTS_PER_TENANT="4"`.
     """
+    url, process = start_serve(home, model, log, settings)
+    try:
+        yield ServerProcess(url, home, log)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if process.returncode != 0:
+        raise AssertionError(f"chatkv serve exited with {process.returncode}:\n{log.read_text()}")
+
+
+def start_serve(home: Path, model: str, log: Path, settings: Mapping[str, str]) -> tuple[str, subprocess.Popen[bytes]]:
+    """Start `chatkv serve --model MODEL` on `home` with `CHATKV_*` `settings` (names without the
+    prefix), its output in `log`; return its URL and process once it answers `/healthz` (killed,
+    and `AssertionError`, if it does not)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = child_env(
@@ -69,16 +87,11 @@ def chatkv_serve(home: Path, model: str, log: Path, **settings: str) -> Iterator
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out)
     try:
         _wait_until_up(url, process, log)
-        yield ServerProcess(url, home, log)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if process.returncode != 0:
-        raise AssertionError(f"chatkv serve exited with {process.returncode}:\n{log.read_text()}")
+    except AssertionError:
+        process.kill()
+        process.wait()
+        raise
+    return url, process
 
 
 def _wait_until_up(url: str, process: subprocess.Popen[bytes], log: Path) -> None:

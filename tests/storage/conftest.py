@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -100,3 +101,24 @@ def add_session(metadata: MetadataStore, tenant_id: str, session_id: str, finger
     metadata.create_session(
         tenant_id=tenant_id, session_id=session_id, title=None, system_prompt=None, model_fingerprint=fingerprint
     )
+
+
+@dataclass(frozen=True)
+class Key:
+    """A blob store key (`cache.tiers.CacheKey`'s shape) for the store tests."""
+
+    tenant_id: str
+    name: str
+
+
+S1, S2, BASE = Key("tn_a", "s_1"), Key("tn_a", "s_2"), Key("tn_a", "base-0123abcd")
+OTHER = Key("tn_b", "s_3")
+
+
+@pytest.fixture
+def rows(metadata: MetadataStore) -> MetadataStore:
+    """The metadata store with tenants `tn_a` (sessions s_1, s_2) and `tn_b` (s_3)."""
+    add_session(metadata, "tn_a", "s_1")
+    add_session(metadata, "tn_a", "s_2")
+    add_session(metadata, "tn_b", "s_3")
+    return metadata

@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,27 +18,8 @@ from storage.atomic_files import TEMP_PREFIX, write_atomic
 from storage.blob_stores import BlobNotFound, DiskBlobStore, HostBlobStore
 from storage.metadata_store import MetadataStore
 from tests.conftest import REPO
-from tests.storage.conftest import add_session
+from tests.storage.conftest import BASE, OTHER, S1, S2, Key, add_session
 from tests.storage.crash_writer import blob_for
-
-
-@dataclass(frozen=True)
-class Key:
-    tenant_id: str
-    name: str
-
-
-S1, S2, BASE = Key("tn_a", "s_1"), Key("tn_a", "s_2"), Key("tn_a", "base-0123abcd")
-OTHER = Key("tn_b", "s_3")
-
-
-@pytest.fixture
-def rows(metadata: MetadataStore) -> MetadataStore:
-    """The metadata store with tenants `tn_a` (sessions s_1, s_2) and `tn_b` (s_3)."""
-    add_session(metadata, "tn_a", "s_1")
-    add_session(metadata, "tn_a", "s_2")
-    add_session(metadata, "tn_b", "s_3")
-    return metadata
 
 
 def disk_store(root: Path, metadata: MetadataStore, fingerprint: str = "fp-a") -> DiskBlobStore[Key]:

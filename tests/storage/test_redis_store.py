@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 import redis
@@ -22,31 +19,12 @@ from storage.blob_stores import BlobNotFound
 from storage.metadata_store import MetadataStore
 from storage.redis_store import LOCATION, RedisBlobStore, RedisUnavailable, connect_redis
 from tests.redis_servers import RedisServer, free_port
-from tests.storage.conftest import add_session
+from tests.storage.conftest import BASE, OTHER, S1, S2, Key
 
 FP = "0123456789abcdef" + "f" * 48
 TIMEOUT_S = 0.5
 FAST_S = 4 * TIMEOUT_S + 1.0
 """Time a call to an unreachable Redis may take: one try and one retry of `TIMEOUT_S`, plus slack."""
-
-
-@dataclass(frozen=True)
-class Key:
-    tenant_id: str
-    name: str
-
-
-S1, S2, BASE = Key("tn_a", "s_1"), Key("tn_a", "s_2"), Key("tn_a", "base-0123abcd")
-OTHER = Key("tn_b", "s_3")
-
-
-@pytest.fixture
-def rows(metadata: MetadataStore) -> MetadataStore:
-    """The metadata store with tenants `tn_a` (sessions s_1, s_2) and `tn_b` (s_3)."""
-    add_session(metadata, "tn_a", "s_1")
-    add_session(metadata, "tn_a", "s_2")
-    add_session(metadata, "tn_b", "s_3")
-    return metadata
 
 
 def make_store(
@@ -280,15 +258,12 @@ def test_a_stalled_redis_times_out_and_a_value_deleted_meanwhile_is_never_served
 ) -> None:
     store = make_store(private, rows, "chatkv")
     store.put(S1, blob(64))
-    os.kill(private_redis.process.pid, signal.SIGSTOP)  # accepts connections, never answers
-    try:
+    with private_redis.hung():
         started = time.monotonic()
         with pytest.raises(RedisUnavailable):
             store.get(S1)
         assert time.monotonic() - started < FAST_S
         store.delete(S1)  # the DEL times out; the row goes
-    finally:
-        os.kill(private_redis.process.pid, signal.SIGCONT)
     assert private.exists(store.redis_key(S1))  # left to its TTL...
     with pytest.raises(BlobNotFound):
         store.get(S1)  # ...but without its row it is never served
@@ -300,8 +275,7 @@ def test_a_hung_redis_is_not_tried_again_until_retry_after_s(
 ) -> None:
     store = make_store(private, rows, "chatkv", retry_after_s=3.0)
     store.put(S1, blob(64))
-    os.kill(private_redis.process.pid, signal.SIGSTOP)
-    try:
+    with private_redis.hung():
         with pytest.raises(RedisUnavailable) as first:
             store.get(S1)  # this one waits for the timeout...
         failed_at = time.monotonic()
@@ -310,8 +284,6 @@ def test_a_hung_redis_is_not_tried_again_until_retry_after_s(
             with pytest.raises(RedisUnavailable, match=r"not tried for 3 s after a failure"):
                 call()  # ...these are refused at once by the open breaker
         assert not store.contains(S1) and store.nbytes(S1) == 0
-    finally:
-        os.kill(private_redis.process.pid, signal.SIGCONT)
     time.sleep(max(0.0, failed_at + 3.2 - time.monotonic()))
     assert store.get(S1) == blob(64)  # after retry_after_s one call tries Redis again, and it answers
     store.put(S2, blob(64))
@@ -323,9 +295,8 @@ def test_after_retry_after_s_one_call_tries_a_hung_redis_and_the_others_fail_at_
 ) -> None:
     store = make_store(private, rows, "chatkv", retry_after_s=1.0)
     store.put(S1, blob(64))
-    os.kill(private_redis.process.pid, signal.SIGSTOP)
     outcomes: list[str] = []
-    try:
+    with private_redis.hung():
         with pytest.raises(RedisUnavailable):
             store.get(S1)  # opens the breaker
         time.sleep(1.1)
@@ -344,8 +315,6 @@ def test_after_retry_after_s_one_call_tries_a_hung_redis_and_the_others_fail_at_
             thread.start()
         for thread in threads:
             thread.join()
-    finally:
-        os.kill(private_redis.process.pid, signal.SIGCONT)
     assert sorted(outcomes) == ["refused"] * 5 + ["tried"]  # one trial waited on Redis, not six
 
 

@@ -77,6 +77,19 @@ def acquire(
     )
 
 
+def commit(metadata: MetadataStore, owner: OwnerToken) -> None:
+    """Store one turn of session s_1 under `owner`'s lease (`OwnershipLost` if it no longer holds it)."""
+    metadata.record_turn(
+        tenant_id="tn_a",
+        session_id="s_1",
+        messages=[("user", "hi", [1]), ("assistant", "yo", [2])],
+        token_count=2,
+        model_fingerprint="fp-a",
+        ttft_s=None,
+        owner=owner,
+    )
+
+
 def test_first_claim_takes_the_lease_and_another_replica_waits(replicas: ReplicaStore) -> None:
     assert acquire(replicas, "r_a", T0) == Claim(acquired=True, epoch=1, previous_owner=None)
     blocked = acquire(replicas, "r_b", T0 + 1)
@@ -101,27 +114,10 @@ def test_an_expired_lease_is_taken_over_and_fences_the_old_owners_commit(
     acquire(replicas, "r_a", T0)
     assert not acquire(replicas, "r_b", T0 + LEASE_S - 0.5).acquired
     assert acquire(replicas, "r_b", T0 + LEASE_S + 0.5) == took(2)
-    turn = [("user", "hi", [1]), ("assistant", "yo", [2])]
     with pytest.raises(OwnershipLost):
-        metadata.record_turn(
-            tenant_id="tn_a",
-            session_id="s_1",
-            messages=turn,
-            token_count=2,
-            model_fingerprint="fp-a",
-            ttft_s=None,
-            owner=token("r_a", 1),
-        )
+        commit(metadata, token("r_a", 1))
     assert metadata.messages(tenant_id="tn_a", session_id="s_1") == []
-    metadata.record_turn(
-        tenant_id="tn_a",
-        session_id="s_1",
-        messages=turn,
-        token_count=2,
-        model_fingerprint="fp-a",
-        ttft_s=None,
-        owner=token("r_b", 2),
-    )
+    commit(metadata, token("r_b", 2))
     assert [m.text for m in metadata.messages(tenant_id="tn_a", session_id="s_1") or []] == ["hi", "yo"]
 
 
@@ -214,15 +210,7 @@ def test_a_restart_under_the_same_id_waits_for_the_old_heartbeat_then_frees_its_
         acquire(replicas, "r_a", T0 + 12)
     assert acquire(replicas, "r_a", T0 + 12, incarnation_="r_a-2") == took(2)
     with pytest.raises(OwnershipLost):
-        metadata.record_turn(
-            tenant_id="tn_a",
-            session_id="s_1",
-            messages=[("user", "hi", [1]), ("assistant", "yo", [2])],
-            token_count=2,
-            model_fingerprint="fp-a",
-            ttft_s=None,
-            owner=token("r_a", 1),
-        )
+        commit(metadata, token("r_a", 1))
     # A clean shutdown of the stalled process leaves the new one's row and lease alone.
     replicas.unregister(replica_id="r_a", incarnation="r_a-1")
     assert replicas.heartbeat(replica_id="r_a", incarnation="r_a-2", cache_bytes=0, now_unix_s=T0 + 13) == "ok"
