@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from app.admin_ops import AdminOps, Json
 from app.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_outage
+from app.body_limits import require_utf8_body
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
 
@@ -60,6 +61,7 @@ def _admin_route_class(expected_token: bytes) -> type[APIRoute]:
                         headers={"WWW-Authenticate": "Bearer"},
                     )
                 try:
+                    await require_utf8_body(request)
                     return await handler(request)
                 except ChatKVError as exc:
                     return JSONResponse({"error": str(exc)}, status_code=exc.http_status)

@@ -27,6 +27,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.exceptions import HTTPException
 
 from app.api_errors import DATABASE_ERRORS, ApiError, error_response, response_for, unauthorized
+from app.body_limits import require_utf8_body
 from app.sse import EventStream
 from cache.ids import TenantId
 from sessions.errors import ChatKVError, TenantNotFound
@@ -121,6 +122,7 @@ def api_route_class(manager: SessionManager, limiter: TenantLimiter) -> type[API
                     )
                 request.state.tenant = tenant
                 try:
+                    await require_utf8_body(request)
                     response = await handler(request)
                 except TenantNotFound:  # deleted while the request ran: its key is no longer valid
                     release()

@@ -13,8 +13,13 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
     409     invalid_request_error   session_owned_elsewhere                `SessionOwnedElsewhere` (replicas;
                                                                            `X-ChatKV-Owner-URL` names the owner;
                                                                            `Retry-After`)
+    400     invalid_request_error   idempotency_key_reused                 an `Idempotency-Key` sent with another
+                                                                           request before
+    400     invalid_request_error   array_above_max_length                 over 2,048 `messages`
+    409     invalid_request_error   idempotency_key_in_use                 the first request with the key still
+                                                                           runs (`Retry-After`)
     413     invalid_request_error   request_too_large                      body over the `/v1/` limit
-    413     invalid_request_error   context_length_exceeded                `ContextTooLong`
+    413     invalid_request_error   context_length_exceeded                `ContextTooLong`, `HistoryTooLong`
     429     rate_limit_error        rate_limit_exceeded                    the tenant's concurrent requests
     503     server_error            replica_retired                        `ReplicaRetired` (this process was
                                                                            replaced under its replica id)
@@ -36,6 +41,7 @@ from starlette.exceptions import HTTPException
 from sessions.errors import (
     ChatKVError,
     ContextTooLong,
+    HistoryTooLong,
     ReplicaRetired,
     SessionBusy,
     SessionNotFound,
@@ -60,6 +66,7 @@ _CODES: dict[type[ChatKVError], str] = {
     SessionOwnedElsewhere: "session_owned_elsewhere",
     SessionBusy: "session_busy",
     ContextTooLong: "context_length_exceeded",
+    HistoryTooLong: "context_length_exceeded",
     ReplicaRetired: "replica_retired",
 }
 
@@ -67,11 +74,20 @@ _CODES: dict[type[ChatKVError], str] = {
 class ApiError(Exception):
     """An error the `/v1/` routes answer as it is (an OpenAI-specific refusal, say)."""
 
-    def __init__(self, status: int, message: str, code: str, *, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.param = param
+        self.headers = headers
 
 
 def unsupported(what: str, param: str) -> ApiError:
@@ -103,7 +119,7 @@ def response_for(exc: Exception) -> JSONResponse:
         TypeError: for any other exception (a bug: the caller lets it through).
     """
     if isinstance(exc, ApiError):
-        return error_response(exc.status, str(exc), exc.code, param=exc.param)
+        return error_response(exc.status, str(exc), exc.code, param=exc.param, headers=exc.headers)
     if isinstance(exc, SessionOwnedElsewhere):
         # The owner is running turns on it; it hands the session over between them.
         headers = {"Retry-After": str(OWNED_ELSEWHERE_RETRY_AFTER_S)}

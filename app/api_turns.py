@@ -14,18 +14,30 @@ Sessions found by history (stateless clients, which post the whole conversation 
 An edited history has another digest, so it never continues a cache computed for another history.
 A new session whose first turn does not complete (refused, failed, or its client went away) is
 deleted again: a request that fails leaves nothing stored.
+
+A turn's route is an `async def` that runs the blocking turn in the threadpool and meanwhile
+listens for its client's disconnect (`run_watching_disconnect`): a client that goes away while the
+turn is prepared or, unstreamed, while it decodes cancels it (`CancelToken`), as closing a stream
+does. An `Idempotency-Key` header makes the route record its answer (`IdempotencyGuard`), so the
+client's retry of a completed turn gets that answer instead of a second turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
+from app.api_errors import ApiError
+from sessions.cancellation import CancelToken
 from sessions.errors import ChatKVError, InvalidInput, SessionBusy, SessionNotFound
+from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
 from sessions.manager import MAX_MESSAGE_CHARS, SessionManager
 from sessions.records import Reply, Tenant
 from sessions.sampling import SamplingParams
@@ -33,6 +45,75 @@ from sessions.stop_strings import StopStrings
 from sessions.validation import check_text
 
 TurnStream = Generator[str | Reply, None, None]
+T = TypeVar("T")
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+IN_PROGRESS_RETRY_AFTER_S = 1
+
+
+async def run_watching_disconnect(request: Request, cancel: CancelToken, work: Callable[[], T]) -> T:
+    """Run the blocking `work` in the threadpool; if the client disconnects meanwhile, cancel
+    `cancel` (the turn stops at its next step and stores nothing). The request's body must have
+    been read already (FastAPI has, for a route with a body model): what arrives afterwards is
+    the disconnect."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await run_in_threadpool(work)
+    finally:
+        watcher.cancel()
+
+
+class IdempotencyGuard:
+    """One request's use of an `Idempotency-Key` (with none, every method is a no-op).
+
+    Raises (from the constructor):
+        InvalidInput: for a malformed key.
+        ApiError: 409 `idempotency_key_in_use` while the first request with the key still runs;
+            400 `idempotency_key_reused` if the key came with another request before.
+    """
+
+    def __init__(self, manager: SessionManager, tenant: Tenant, key: str | None, route: str, body: bytes) -> None:
+        self._manager, self._tenant, self._key = manager, tenant, key
+        self.replay: Replay | None = None
+        self._claimed = False
+        if key is None:
+            return
+        outcome = manager.idempotency.claim(tenant.id, key, route, body)
+        if isinstance(outcome, InProgress):
+            raise ApiError(
+                409,
+                f"a request with this {IDEMPOTENCY_HEADER} is still running; retry shortly",
+                "idempotency_key_in_use",
+                headers={"Retry-After": str(IN_PROGRESS_RETRY_AFTER_S)},
+            )
+        if isinstance(outcome, KeyReused):
+            raise ApiError(
+                400,
+                f"this {IDEMPOTENCY_HEADER} was sent with a different request; use a new key for a new request",
+                "idempotency_key_reused",
+                param=IDEMPOTENCY_HEADER,
+            )
+        if isinstance(outcome, Replay):
+            self.replay = outcome
+        self._claimed = isinstance(outcome, Claimed)
+
+    def complete(self, session_id: str, response: BaseModel) -> None:
+        """Record the answer of the request (its turn completed)."""
+        if self._claimed and self._key is not None:
+            self._claimed = False
+            self._manager.idempotency.complete(self._tenant.id, self._key, response.model_dump_json(), session_id)
+
+    def release(self) -> None:
+        """The request did not complete: a retry with the key runs afresh (idempotent)."""
+        if self._claimed and self._key is not None:
+            self._claimed = False
+            self._manager.idempotency.release(self._tenant.id, self._key)
 
 
 @dataclass(frozen=True)
@@ -56,6 +137,7 @@ class TurnParams:
     def stream(
         self, manager: SessionManager, tenant: Tenant, session_id: str, message: str, **extra: Any
     ) -> TurnStream:
+        """`SessionManager.stream_chat` with these parameters (`extra`: its other keywords)."""
         return manager.stream_chat(
             tenant,
             session_id,
@@ -134,13 +216,15 @@ def start_turn(
     *,
     created: bool = False,
     expected_turns: int | None = None,
+    cancel: CancelToken | None = None,
 ) -> StartedTurn:
     """Run the turn up to its first item.
 
     Raises:
-        ChatKVError: the turn was refused (nothing stored; a `created` session is deleted).
+        ChatKVError: the turn was refused (nothing stored; a `created` session is deleted), or
+            `TurnCancelled` by `cancel`.
     """
-    stream = params.stream(manager, tenant, session_id, message, expected_turns=expected_turns)
+    stream = params.stream(manager, tenant, session_id, message, expected_turns=expected_turns, cancel=cancel)
     try:
         first = next(stream)
     except ChatKVError:
@@ -158,16 +242,19 @@ def continue_history(
     history: Sequence[tuple[str, str]],
     message: str,
     params: TurnParams,
+    cancel: CancelToken | None = None,
 ) -> StartedTurn:
     """Continue the tenant's session whose history is `system_prompt` + `history` (see the module),
     or start one that holds it."""
     for session_id in manager.find_sessions_by_history(tenant, system_prompt, history):
         try:
-            return start_turn(manager, tenant, session_id, message, params, expected_turns=len(history))
+            return start_turn(manager, tenant, session_id, message, params, expected_turns=len(history), cancel=cancel)
         except (SessionBusy, SessionNotFound):  # a turn in flight, moved on, or deleted meanwhile
             continue
+    if cancel is not None:
+        cancel.check()
     session_id = manager.open_session(tenant, system_prompt, history=history)
-    return start_turn(manager, tenant, session_id, message, params, created=True)
+    return start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel)
 
 
 class PromptTokensDetails(BaseModel):

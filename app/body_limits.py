@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -110,6 +111,21 @@ class BodyLimitMiddleware:
             if response_started:
                 raise
             await JSONResponse({"error": exc.detail}, status_code=exc.status_code)(scope, receive, send)
+
+
+async def require_utf8_body(request: Request) -> None:
+    """Refuse (400) a body that is not UTF-8. JSON parsers guess UTF-16 and UTF-32 from the first
+    bytes (RFC 4627), but JSON on the wire is UTF-8 (RFC 8259), which the API promises. The body
+    is read here, within its path's limit; the route's own parsing reuses it.
+
+    Raises:
+        HTTPException: 400 for a body that does not decode as UTF-8 (413 over the limit).
+    """
+    body = await request.body()
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HTTPException(400, f"the body is not valid UTF-8 (byte {exc.start}); send JSON as UTF-8") from None
 
 
 def _content_length(scope: Scope) -> int | None:

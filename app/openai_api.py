@@ -19,30 +19,52 @@ Not supported, refused with 400 (`unsupported_parameter`): `n` other than 1, too
 (and tool messages), content parts other than text (images, audio, files), logprobs, a
 `response_format` other than text, penalties and `logit_bias`. Other unknown fields are ignored.
 Defaults follow OpenAI: `temperature` 1, `top_p` 1; `max_tokens` defaults to 256.
+
+Limits: at most 2,048 `messages` (OpenAI's; 400 `array_above_max_length`), and a posted history of
+at most 8 times the model's context in tokens (413 `context_length_exceeded`, counted before any
+of it is stored or rendered; `SessionManager.open_session`). A client that disconnects before its
+answer is complete cancels the turn, streamed or not; with an `Idempotency-Key` header a retry of
+a completed request gets its recorded answer (`app.api_turns`).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api_auth import bearer_scheme, tenant_of
 from app.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
-from app.api_turns import StartedTurn, TurnParams, Usage, check_message, continue_history, start_turn, usage
+from app.api_turns import (
+    IDEMPOTENCY_HEADER,
+    REPLAYED_HEADER,
+    IdempotencyGuard,
+    StartedTurn,
+    TurnParams,
+    Usage,
+    check_message,
+    continue_history,
+    run_watching_disconnect,
+    start_turn,
+    usage,
+)
 from app.sse import DONE, EventStream, event
+from sessions.cancellation import CancelToken
 from sessions.errors import ChatKVError, InvalidInput
 from sessions.manager import MAX_MESSAGE_CHARS, SessionManager
-from sessions.records import Tenant
+from sessions.records import Reply, Tenant
 from sessions.validation import check_text
 
 DEFAULT_MAX_TOKENS = 256
+MAX_MESSAGES = 2048
+"""Messages one request may post (OpenAI's limit): the history and the new message."""
 SESSION_HEADER = "X-Session-ID"
 
 
@@ -173,6 +195,7 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRo
     @router.post(
         "/chat/completions",
         response_model=ChatCompletion,
+        response_class=JSONResponse,
         responses={
             200: {
                 "description": "A `chat.completion`, or with `stream: true` server-sent `chat.completion.chunk` "
@@ -182,52 +205,88 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRo
             400: {"description": "Invalid or unsupported request (`invalid_request_error`)."},
             401: {"description": "Missing or wrong API key."},
             404: {"description": "Unknown model or session."},
-            409: {"description": "The session has a turn in flight."},
+            409: {"description": "The session has a turn in flight, or the `Idempotency-Key`'s first request runs."},
             413: {"description": "Body over the limit, or the conversation does not fit the context."},
             429: {"description": "Too many requests in flight for this tenant; see `Retry-After`."},
         },
     )
-    def chat_completions(
+    async def chat_completions(
+        request: Request,
         body: ChatCompletionRequest,
-        response: Response,
         tenant: Annotated[Tenant, Depends(tenant_of)],
         x_session_id: Annotated[
             str | None, Header(alias=SESSION_HEADER, description="Continue this session (explicit mode).")
         ] = None,
-    ) -> ChatCompletion | EventStream:
-        """Create a chat completion, continuing a server-side session (explicit or found by history)."""
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias=IDEMPOTENCY_HEADER,
+                description="Run the turn once: a retry with the same key and body gets the recorded answer "
+                f"(`{REPLAYED_HEADER}: true`) for 24 h.",
+            ),
+        ] = None,
+    ) -> Response:
+        """Create a chat completion, continuing a server-side session (explicit or found by history).
+        A client that disconnects before the answer is complete cancels the turn; nothing is stored."""
+        raw = await request.body()
+        cancel = CancelToken()
+        return await run_watching_disconnect(
+            request, cancel, lambda: complete(body, raw, tenant, x_session_id, idempotency_key, cancel)
+        )
+
+    def complete(
+        body: ChatCompletionRequest,
+        raw: bytes,
+        tenant: Tenant,
+        x_session_id: str | None,
+        idempotency_key: str | None,
+        cancel: CancelToken,
+    ) -> Response:
         _check_model(manager, body.model)
         _refuse_unsupported(body)
         params = _turn_params(body)
         conversation = parse_messages(body.messages)
         session_id = _session_id(x_session_id, body.session_id)
-        if session_id is None:
-            turn = continue_history(
-                manager, tenant, conversation.system_prompt, conversation.history, conversation.message, params
-            )
-        else:
-            _check_explicit(manager, tenant, session_id, conversation)
-            turn = start_turn(manager, tenant, session_id, conversation.message, params)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        guard = IdempotencyGuard(manager, tenant, idempotency_key, "/v1/chat/completions", raw)
+        if guard.replay is not None:
+            completion = ChatCompletion.model_validate_json(guard.replay.response)
+            headers = {SESSION_HEADER: guard.replay.session_id or "", REPLAYED_HEADER: "true"}
+            if body.stream:
+                return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
+            return JSONResponse(completion.model_dump(), headers=headers)
+        try:
+            if session_id is None:
+                turn = continue_history(
+                    manager,
+                    tenant,
+                    conversation.system_prompt,
+                    conversation.history,
+                    conversation.message,
+                    params,
+                    cancel,
+                )
+            else:
+                _check_explicit(manager, tenant, session_id, conversation)
+                turn = start_turn(manager, tenant, session_id, conversation.message, params, cancel=cancel)
+        except BaseException:
+            guard.release()
+            raise
         reply_id = f"chatcmpl-{secrets.token_hex(12)}"
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            frames = _chunks(
-                turn, {"id": reply_id, "created": int(time.time()), "model": manager.model_name}, include_usage
-            )
-            return EventStream(frames, headers=headers)
+            head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
+            return EventStream(_chunks(turn, head, include_usage, guard), headers=headers)
         try:
             reply = turn.run()
+        except BaseException:
+            guard.release()
+            raise
         finally:
             turn.close()
-        response.headers.update(headers)
-        return ChatCompletion(
-            id=reply_id,
-            created=int(time.time()),
-            model=manager.model_name,
-            choices=[Choice(message=AssistantMessage(content=reply.text), finish_reason=reply.finish_reason)],
-            usage=usage(reply),
-        )
+        completion = _completion(reply_id, manager.model_name, reply)
+        guard.complete(turn.session_id, completion)
+        return JSONResponse(completion.model_dump(), headers=headers)
 
     return router
 
@@ -280,9 +339,17 @@ def parse_messages(messages: list[ChatMessage]) -> Conversation:
     """Split posted messages into system prompt, earlier turns and the new message.
 
     Raises:
-        ApiError: for tool messages or non-text content (unsupported).
+        ApiError: for more than `MAX_MESSAGES` messages, tool messages or non-text content.
         InvalidInput: for any other shape or text chatkv cannot take.
     """
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(
+            400,
+            f"Invalid 'messages': array too long. Expected an array with maximum length {MAX_MESSAGES}, "
+            f"but got an array with length {len(messages)} instead.",
+            "array_above_max_length",
+            param="messages",
+        )
     texts: list[tuple[str, str]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -340,9 +407,17 @@ def _check_explicit(manager: SessionManager, tenant: Tenant, session_id: str, co
         raise InvalidInput("the system message differs from the session's system prompt")
 
 
-def _chunks(turn: StartedTurn, head: dict[str, Any], include_usage: bool) -> Generator[str, None, None]:
-    """The SSE frames of a streamed completion. Closing the generator (the client went away) closes
-    the turn: it is cancelled and nothing is stored."""
+def _completion(reply_id: str, model: str, reply: Reply) -> ChatCompletion:
+    return ChatCompletion(
+        id=reply_id,
+        created=int(time.time()),
+        model=model,
+        choices=[Choice(message=AssistantMessage(content=reply.text), finish_reason=reply.finish_reason)],
+        usage=usage(reply),
+    )
+
+
+def _chunk_frames(head: dict[str, Any], include_usage: bool) -> Callable[..., str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
 
@@ -350,17 +425,46 @@ def _chunks(turn: StartedTurn, head: dict[str, Any], include_usage: bool) -> Gen
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return event({**head, "choices": [choice], **extra})
 
+    return chunk
+
+
+def _chunks(
+    turn: StartedTurn, head: dict[str, Any], include_usage: bool, guard: IdempotencyGuard
+) -> Generator[str, None, None]:
+    """The SSE frames of a streamed completion. Closing the generator (the client went away) closes
+    the turn: it is cancelled and nothing is stored. A completed turn's answer is recorded under
+    its `Idempotency-Key` (as the `chat.completion` a retry is answered with)."""
+    chunk = _chunk_frames(head, include_usage)
     try:
         yield chunk({"role": "assistant", "content": ""})
         for piece in turn.pieces():
             yield chunk({"content": piece})
         if turn.reply is None:
             raise RuntimeError("bug: a streamed turn ended without a reply")
+        guard.complete(turn.session_id, _completion(head["id"], head["model"], turn.reply))
         yield chunk({}, turn.reply.finish_reason)
         if include_usage:
-            yield event({**head, "choices": [], "usage": usage(turn.reply).model_dump()})
+            yield event(
+                {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(turn.reply).model_dump()}
+            )
         yield DONE
     except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (the session deleted meanwhile, say)
         yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
     finally:
+        guard.release()
         turn.close()
+
+
+def _replayed_chunks(completion: ChatCompletion, include_usage: bool) -> Generator[str, None, None]:
+    """A recorded completion as a stream: the role, the whole content in one delta, the finish
+    reason, the usage if asked, `[DONE]`."""
+    head = {"id": completion.id, "created": completion.created, "model": completion.model}
+    chunk = _chunk_frames(head, include_usage)
+    choice = completion.choices[0]
+    yield chunk({"role": "assistant", "content": ""})
+    if choice.message.content:
+        yield chunk({"content": choice.message.content})
+    yield chunk({}, choice.finish_reason)
+    if include_usage:
+        yield event({**head, "object": "chat.completion.chunk", "choices": [], "usage": completion.usage.model_dump()})
+    yield DONE

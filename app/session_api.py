@@ -20,16 +20,29 @@ from collections.abc import Generator
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Response, status
+from fastapi import APIRouter, Depends, Header, Request, Response, status
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api_auth import bearer_scheme, tenant_of
 from app.api_errors import DATABASE_ERRORS, response_for
-from app.api_turns import StartedTurn, TurnParams, Usage, check_message, start_turn, usage
+from app.api_turns import (
+    IDEMPOTENCY_HEADER,
+    REPLAYED_HEADER,
+    IdempotencyGuard,
+    StartedTurn,
+    TurnParams,
+    Usage,
+    check_message,
+    run_watching_disconnect,
+    start_turn,
+    usage,
+)
 from app.openai_api import SESSION_HEADER, AssistantMessage
 from app.prefetch import Prefetcher
 from app.sse import DONE, EventStream, event
+from sessions.cancellation import CancelToken
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
 from sessions.records import Message, Reply, RestoreSource, SessionInfo, Tenant
@@ -166,24 +179,66 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
     @router.post(
         "/sessions/{session_id}/messages",
         response_model=MessageReply,
+        response_class=JSONResponse,
         responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
     )
-    def send_message(
-        session_id: str, body: MessageCreate, response: Response, tenant: TenantDep
-    ) -> MessageReply | EventStream:
-        """Send a user message; the reply with its usage and stats (or SSE events with `stream`)."""
+    async def send_message(
+        request: Request,
+        session_id: str,
+        body: MessageCreate,
+        tenant: TenantDep,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias=IDEMPOTENCY_HEADER,
+                description="Run the turn once: a retry with the same key and body gets the recorded answer.",
+            ),
+        ] = None,
+    ) -> Response:
+        """Send a user message; the reply with its usage and stats (or SSE events with `stream`). A
+        client that disconnects before the reply is complete cancels the turn; nothing is stored."""
+        raw = await request.body()
+        cancel = CancelToken()
+        return await run_watching_disconnect(
+            request, cancel, lambda: send(session_id, body, raw, tenant, idempotency_key, cancel)
+        )
+
+    def send(
+        session_id: str,
+        body: MessageCreate,
+        raw: bytes,
+        tenant: Tenant,
+        idempotency_key: str | None,
+        cancel: CancelToken,
+    ) -> Response:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         params = TurnParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop)
-        turn = start_turn(manager, tenant, session_id, check_message(body.content, "content"), params)
+        message = check_message(body.content, "content")
+        guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
+        if guard.replay is not None:
+            recorded = MessageReply.model_validate_json(guard.replay.response)
+            headers = {SESSION_HEADER: recorded.session_id, REPLAYED_HEADER: "true"}
+            if body.stream:
+                return EventStream(_replayed_events(recorded), headers=headers)
+            return JSONResponse(recorded.model_dump(), headers=headers)
+        try:
+            turn = start_turn(manager, tenant, session_id, message, params, cancel=cancel)
+        except BaseException:
+            guard.release()
+            raise
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
-            return EventStream(_events(turn), headers=headers)
+            return EventStream(_events(turn, guard), headers=headers)
         try:
             reply = turn.run()
+        except BaseException:
+            guard.release()
+            raise
         finally:
             turn.close()
-        response.headers.update(headers)
-        return _reply(turn.session_id, reply)
+        answer = _reply(turn.session_id, reply)
+        guard.complete(turn.session_id, answer)
+        return JSONResponse(answer.model_dump(), headers=headers)
 
     @router.post(
         "/sessions/{session_id}/prefetch", status_code=status.HTTP_202_ACCEPTED, response_model=PrefetchStarted
@@ -197,18 +252,30 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
     return router
 
 
-def _events(turn: StartedTurn) -> Generator[str, None, None]:
+def _events(turn: StartedTurn, guard: IdempotencyGuard) -> Generator[str, None, None]:
     try:
         for piece in turn.pieces():
             yield event({"object": "session.message.delta", "session_id": turn.session_id, "content": piece})
         if turn.reply is None:
             raise RuntimeError("bug: a streamed turn ended without a reply")
-        yield event(_reply(turn.session_id, turn.reply).model_dump())
+        answer = _reply(turn.session_id, turn.reply)
+        guard.complete(turn.session_id, answer)
+        yield event(answer.model_dump())
         yield DONE
     except (ChatKVError, *DATABASE_ERRORS) as exc:
         yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
     finally:
+        guard.release()
         turn.close()
+
+
+def _replayed_events(recorded: MessageReply) -> Generator[str, None, None]:
+    """A recorded reply as a stream: its whole content in one delta, the message, `[DONE]`."""
+    if recorded.message.content:
+        content = recorded.message.content
+        yield event({"object": "session.message.delta", "session_id": recorded.session_id, "content": content})
+    yield event(recorded.model_dump())
+    yield DONE
 
 
 def _reply(session_id: str, reply: Reply) -> MessageReply:

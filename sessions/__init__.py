@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sessions.cancellation import CancelToken
 from sessions.errors import (
     ChatKVError,
     ContextTooLong,
+    HistoryTooLong,
     HomeLocked,
     InvalidInput,
     ModelUnavailable,
@@ -18,6 +20,7 @@ from sessions.errors import (
     SessionNotFound,
     TenantExists,
     TenantNotFound,
+    TurnCancelled,
 )
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant, TurnStats
 from sessions.settings import Settings
@@ -40,8 +43,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CancelToken",
     "ChatKVError",
     "ContextTooLong",
+    "HistoryTooLong",
     "HomeLocked",
     "InvalidInput",
     "Message",
@@ -57,5 +62,6 @@ __all__ = [
     "Tenant",
     "TenantExists",
     "TenantNotFound",
+    "TurnCancelled",
     "TurnStats",
 ]

@@ -13,11 +13,15 @@ template's own pieces are tokenised; each assistant content is spliced in as its
     <|im_end|>\n                                   content end .. turn 1   tokenised (closes turn 0)
     <|im_start|>user\n...                          turn 1 start ..         tokenised
 
-The cut points come from rendering prefixes of the conversation: the text of turn `i` starts where
-the rendering of the messages before it ends, and assistant content `i` starts where the rendering
-with the generation prompt ends. If the template renders earlier messages differently once more
-are added (the prefix property fails), the cut points do not exist; `TemplateDivergence` tells the
-caller not to reuse a cache that no longer matches. The caller then prefills `whole_conversation`:
+The cut points are where renderings of prefixes of the conversation end: the text of turn `i`
+starts where the rendering of the messages before it ends, and assistant content `i` starts where
+the rendering with the generation prompt ends. Rendering every prefix costs a render per turn
+(quadratic in the conversation), so `conversation` renders once and finds the cut points in one
+pass from the framing the template puts around a probe conversation (the text a user turn starts
+with, the generation prompt), checking the last turn against its prefix renders as `next_turn`
+cuts it. If the template renders earlier messages differently once more are added (the prefix
+property fails), the cut points do not exist; `TemplateDivergence` tells the caller not to reuse a
+cache that no longer matches. The caller then prefills `whole_conversation`:
 one render of every message, with each reply the template kept verbatim spliced in as its ids and
 every reply it rewrote (shortened, say) tokenised as rendered, so the model sees exactly what the
 template says the conversation is now.
@@ -38,6 +42,10 @@ from typing import Any, Protocol
 _PROBE_USER = "chatkv-probe-user-7f3a"
 _PROBE_REPLY = "chatkv-probe-reply-9c1e"
 _PROBE_NEXT = "chatkv-probe-next-2b6d"
+
+
+MAX_RENDERED_CUTS = 16
+"""Turns of one conversation that may be cut by rendering their prefixes (see `_turn_cuts`)."""
 
 
 class TemplateDivergence(Exception):
@@ -94,6 +102,15 @@ class TurnDelta:
     rendering: str
 
 
+@dataclass(frozen=True)
+class _TurnCut:
+    """Character offsets of one past turn in a rendered conversation (see `ChatTemplate._turn_cuts`)."""
+
+    content_start: int
+    content_end: int
+    next_start: int
+
+
 def rendering_digest(text: str) -> str:
     """SHA-256 of a rendered conversation: what a cache records of the text its ids stand for."""
     return hashlib.sha256(text.encode()).hexdigest()
@@ -134,36 +151,28 @@ class ChatTemplate:
         return self._encode(text[: self._base_end(text)])
 
     def conversation(self, system_prompt: str | None, past: Sequence[PastTurn], user_text: str) -> ConversationTokens:
-        """The whole stream for a new user message after `past` turns (O(turns) renders).
+        """The whole stream for a new user message after `past` turns: one render of the
+        conversation, cut in one pass (`_turn_cuts`), so the work is linear in its length.
 
         Raises:
             TemplateDivergence: if the template has no stable prefix for these messages.
         """
         system = _system_messages(system_prompt)
-        messages = system + _turn_messages(past)
-        full = self._render([*messages, {"role": "user", "content": user_text}], True)
+        full = self._render([*system, *_turn_messages(past), {"role": "user", "content": user_text}], True)
         base_text = self._system_text(system)
         if not full.startswith(base_text):
             raise TemplateDivergence("the system prefix renders differently with the real messages")
-        base_end = len(base_text)
-        ids: list[int] = list(self._encode(full[:base_end]))
+        cuts = self._turn_cuts(full, len(base_text), system, past)
+        ids: list[int] = list(self._encode(base_text))
         base_tokens = len(ids)
         turn_starts: list[int] = []
-        cursor = base_end
-        for index, turn in enumerate(past):
-            upto_user = system + _turn_messages(past[:index]) + [{"role": "user", "content": turn.user_text}]
-            content_start = self._prefix_length(full, upto_user, True)
-            closed = system + _turn_messages(past[: index + 1])
-            next_start = self._prefix_length(full, closed, False)
-            content = self.content_ids(turn.assistant_ids)
-            content_end = content_start + len(turn.assistant_text)
-            if full[content_start:content_end] != turn.assistant_text or content_end > next_start:
-                raise TemplateDivergence(f"turn {index}: the reply is not rendered verbatim")
+        cursor = len(base_text)
+        for turn, cut in zip(past, cuts, strict=True):
             turn_starts.append(len(ids))
-            ids += self._encode(full[cursor:content_start])
-            ids += content
-            ids += self._encode(full[content_end:next_start])
-            cursor = next_start
+            ids += self._encode(full[cursor : cut.content_start])
+            ids += self.content_ids(turn.assistant_ids)
+            ids += self._encode(full[cut.content_end : cut.next_start])
+            cursor = cut.next_start
         turn_starts.append(len(ids))
         ids += self._encode(full[cursor:])
         return ConversationTokens(tuple(ids), base_tokens, tuple(turn_starts), full)
@@ -245,6 +254,73 @@ class ChatTemplate:
         )
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _turn_cuts(
+        self, full: str, base_end: int, system: list[dict[str, str]], past: Sequence[PastTurn]
+    ) -> list[_TurnCut]:
+        """Where each past turn's reply content starts and ends in `full`, and where the next turn
+        starts, found in one pass from the probed framing (`_user_prefix`, `_reply_prefix`):
+
+            turn i   | user prefix | user text | ... reply prefix | reply content | closing | turn i+1
+                     ^ start                                      ^ content_start ^ content_end ^ next_start
+
+        A turn whose framing is not where the probe says (a template that frames the first user
+        turn otherwise, or trims a message) is cut by rendering its two prefixes instead, which
+        costs two renders of the conversation; more than `MAX_RENDERED_CUTS` such turns is
+        `TemplateDivergence` (the caller then renders the whole conversation once). The last
+        turn's cut is always checked against the prefix renders, as `next_turn` cuts it, so a
+        rebuilt stream and a reused one agree.
+        """
+        cuts: list[_TurnCut] = []
+        rendered = 0
+        cursor = base_end
+        for index, turn in enumerate(past):
+            cut = self._walk_cut(full, cursor, turn, past[index + 1].user_text if index + 1 < len(past) else None)
+            if cut is None or index == len(past) - 1:
+                by_renders = self._cut_by_renders(full, system, past, index)
+                if cut is not None and cut != by_renders:
+                    raise TemplateDivergence(f"turn {index}: its framing is not where the probed template puts it")
+                rendered += cut is None
+                if rendered > MAX_RENDERED_CUTS:
+                    raise TemplateDivergence(f"more than {MAX_RENDERED_CUTS} turns are framed unlike the probe")
+                cut = by_renders
+            cuts.append(cut)
+            cursor = cut.next_start
+        return cuts
+
+    def _walk_cut(self, full: str, start: int, turn: PastTurn, next_user: str | None) -> _TurnCut | None:
+        """The cut of the turn starting at `start`, from the probed framing; `None` where the text
+        is not framed as the probe says. `next_user`: the next past turn's user text (`None` for
+        the last past turn, which the new message follows)."""
+        user_prefix, reply_prefix = self._user_prefix, self._reply_prefix
+        user_at = start + len(user_prefix)
+        if not user_prefix or not reply_prefix or not full.startswith(user_prefix + turn.user_text, start):
+            return None
+        header_at = full.find(reply_prefix, user_at + len(turn.user_text))
+        if header_at < 0:
+            return None
+        content_start = header_at + len(reply_prefix)
+        content_end = content_start + len(turn.assistant_text)
+        if full[content_start:content_end] != turn.assistant_text:
+            return None
+        next_start = full.find(user_prefix, content_end)
+        if next_start < 0 or (next_user is not None and not full.startswith(user_prefix + next_user, next_start)):
+            return None
+        return _TurnCut(content_start, content_end, next_start)
+
+    def _cut_by_renders(
+        self, full: str, system: list[dict[str, str]], past: Sequence[PastTurn], index: int
+    ) -> _TurnCut:
+        """The cut of turn `index` from two renders of its prefixes (each a render of the
+        conversation up to it: use sparingly, see `_turn_cuts`)."""
+        turn = past[index]
+        upto_user = [*system, *_turn_messages(past[:index]), {"role": "user", "content": turn.user_text}]
+        content_start = self._prefix_length(full, upto_user, True)
+        next_start = self._prefix_length(full, [*system, *_turn_messages(past[: index + 1])], False)
+        content_end = content_start + len(turn.assistant_text)
+        if full[content_start:content_end] != turn.assistant_text or content_end > next_start:
+            raise TemplateDivergence(f"turn {index}: the reply is not rendered verbatim")
+        return _TurnCut(content_start, content_end, next_start)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         text = self._tokenizer.apply_chat_template(

@@ -88,6 +88,21 @@ class ContextTooLong(ChatKVError):
         super().__init__(f"{what} too long: needs {needed_tokens} tokens of context, the limit is {limit_tokens}")
 
 
+class HistoryTooLong(ChatKVError):
+    """A history a client brings along (a stateless request's earlier turns) is over the limit of
+    turns or tokens (`SessionManager.open_session`); refused before anything is stored, rendered
+    or prefilled."""
+
+    http_status = 413
+
+
+class TurnCancelled(ChatKVError):
+    """The caller stopped waiting for the turn (an HTTP client went away) before its reply was
+    complete: the turn was cancelled and nothing was stored."""
+
+    http_status = 499  # nginx's "client closed request": nobody reads it, logs do
+
+
 class ModelUnavailable(ChatKVError):
     """The configured model cannot be found or loaded (missing directory, missing bundled package)."""
 

@@ -30,10 +30,12 @@ from cache.session_cache import BaseLayer
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS, WindowPolicy
+from sessions.cancellation import CancelToken
 from sessions.chat_template import ChatTemplate, PastTurn
 from sessions.engine import Engine
 from sessions.errors import (
     ContextTooLong,
+    HistoryTooLong,
     HomeLocked,
     InvalidInput,
     ManagerClosed,
@@ -42,6 +44,7 @@ from sessions.errors import (
     SessionMoved,
     SessionNotFound,
 )
+from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer, TierBlobStore
@@ -71,6 +74,11 @@ _ID_PREFIX_SESSION = "s_"
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
 MAX_CACHED_TRANSCRIPTS = 4096
+MAX_HISTORY_TURNS = 1024
+"""Turns a session may be opened with (`open_session(history=...)`): 2,048 messages, OpenAI's
+limit of messages per request."""
+HISTORY_CONTEXT_MULTIPLE = 8
+"""A history opened with may hold this many times the model's context window in tokens."""
 CLOSE_LEASE_WAIT_S = 30.0
 """How long `close()` waits for cancelled turns to release their sessions."""
 
@@ -112,6 +120,7 @@ class SessionManager(SessionOps):
         self._db = make_engine(settings.resolved_database_url)
         upgrade(settings.resolved_database_url, self._db)
         self.metadata = MetadataStore(self._db)
+        self.idempotency = IdempotentRequests(self._db)
         if engine is None:
             device = _resolve_device(settings.device)
             engine = Engine(load_model(settings.model, settings.resolved_model_cache_dir, device, settings.dtype))
@@ -171,7 +180,6 @@ class SessionManager(SessionOps):
             self.metrics.integrity_failures.labels(Tier.DISK.value).inc(self.disk_store.damaged_at_start)
         remove_temp_files(settings.home)
         self.metrics.watch_tiers(self.tiers.usage)
-        self.metrics.watch_engine(engine.loop.stats)
         engine.loop.add_observer(self.metrics)
         self.sealer = sealer
         self.template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
@@ -188,6 +196,7 @@ class SessionManager(SessionOps):
             share_base=settings.share_base,
             reuse_kv=settings.reuse_kv,
         )
+        self.metrics.watch_engine(engine.loop.stats, self.runner.preparing_by_tenant)
         # Transcripts of recently active sessions (a turn renders the whole conversation); bounded
         # so a service with many sessions does not keep every transcript in memory.
         self._transcripts: OrderedDict[tuple[TenantId, SessionId], Transcript] = OrderedDict()
@@ -250,9 +259,13 @@ class SessionManager(SessionOps):
             history: earlier turns to start from, `(user text, reply text)` each: a conversation
                 a client brings along (the OpenAI API's stateless requests). The replies were not
                 generated here, so their ids are their tokenised text; the first turn re-prefills.
+                At most `MAX_HISTORY_TURNS` turns and `HISTORY_CONTEXT_MULTIPLE` times the model's
+                context in tokens: only the turns that fit the context window are prefilled, and a
+                longer history is work (tokenising, storing) with nothing to show for it.
 
         Raises:
             InvalidInput: for a non-string prompt or history text, or an overlong title.
+            HistoryTooLong: for a history over the limits above (counting stops at the limit).
             ContextTooLong: if the system prompt leaves less than `MIN_TURN_TOKENS` of the
                 context window for the conversation.
         """
@@ -262,16 +275,7 @@ class SessionManager(SessionOps):
             check_text(system_prompt, "system_prompt", MAX_MESSAGE_CHARS)
         if title is not None:
             check_text(title, "title", MAX_TITLE_CHARS)
-        messages: list[tuple[str, str, tuple[int, ...]]] = []
-        for user_text, reply_text in history:
-            check_text(user_text, "a history message", MAX_MESSAGE_CHARS)
-            check_text(reply_text, "a history reply", MAX_MESSAGE_CHARS)
-            # Ended like a complete reply (a stop token), so an empty one reads as one too.
-            reply_ids = (
-                *self.engine.tokenizer.encode(reply_text, add_special_tokens=False),
-                self.engine.stop_token_ids[0],
-            )
-            messages += [("user", user_text, ()), ("assistant", reply_text, reply_ids)]
+        messages = self._history_messages(history)
         if system_prompt:
             # The system prompt is pinned in every turn's window; leave room for a short turn.
             needed = len(self.template.system_prefix_ids(system_prompt)) + MIN_TURN_TOKENS
@@ -289,6 +293,32 @@ class SessionManager(SessionOps):
             messages=messages,
         )
         return session_id
+
+    def _history_messages(self, history: Sequence[tuple[str, str]]) -> list[tuple[str, str, tuple[int, ...]]]:
+        """`open_session`'s history as messages to store, counted against the limits as it is
+        tokenised (so an overlong one costs no more than the limit's worth of tokenising)."""
+        context = self.engine.max_context_tokens
+        limit_tokens = HISTORY_CONTEXT_MULTIPLE * context
+        if len(history) > MAX_HISTORY_TURNS:
+            raise HistoryTooLong(
+                f"the history has {len(history)} turns; at most {MAX_HISTORY_TURNS} can be brought along"
+            )
+        tokenizer = self.engine.tokenizer
+        messages: list[tuple[str, str, tuple[int, ...]]] = []
+        tokens = 0
+        for user_text, reply_text in history:
+            check_text(user_text, "a history message", MAX_MESSAGE_CHARS)
+            check_text(reply_text, "a history reply", MAX_MESSAGE_CHARS)
+            # Ended like a complete reply (a stop token), so an empty one reads as one too.
+            reply_ids = (*tokenizer.encode(reply_text, add_special_tokens=False), self.engine.stop_token_ids[0])
+            tokens += len(reply_ids) + len(tokenizer.encode(user_text, add_special_tokens=False))
+            if tokens > limit_tokens:
+                raise HistoryTooLong(
+                    f"the history holds more than {limit_tokens:,} tokens ({HISTORY_CONTEXT_MULTIPLE} times the "
+                    f"model's {context:,}-token context); bring along only its recent turns"
+                )
+            messages += [("user", user_text, ()), ("assistant", reply_text, reply_ids)]
+        return messages
 
     def find_sessions_by_history(
         self, tenant: TenantRef, system_prompt: str | None, turns: Sequence[tuple[str, str]]
@@ -349,6 +379,7 @@ class SessionManager(SessionOps):
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        cancel: CancelToken | None = None,
     ) -> Reply:
         """Send a user message and return the reply. See `stream_chat` for the errors."""
         reply = None
@@ -361,6 +392,7 @@ class SessionManager(SessionOps):
             top_p=top_p,
             seed=seed,
             stop=stop,
+            cancel=cancel,
         ):
             if isinstance(item, Reply):
                 reply = item
@@ -380,6 +412,7 @@ class SessionManager(SessionOps):
         seed: int | None = None,
         stop: Sequence[str] = (),
         expected_turns: int | None = None,
+        cancel: CancelToken | None = None,
     ) -> Generator[str | Reply, None, None]:
         """Yield reply text pieces as they are generated, then the `Reply`. The pieces joined equal
         `Reply.text`. The turn is stored when the generator finishes; abandoning it stores nothing.
@@ -389,6 +422,9 @@ class SessionManager(SessionOps):
                 ends before it, the transcript keeps every generated id and their whole text.
             expected_turns: continue only if the session has exactly this many turns (it was found
                 by its history, and another turn may have got there first).
+            cancel: set by the caller to stop the turn (its client went away): the turn raises
+                `TurnCancelled` at its next preparation step, or the engine loop drops its request
+                at the next step; nothing is stored.
 
         Raises:
             TenantNotFound, SessionNotFound: unknown tenant, or a session not of this tenant.
@@ -396,6 +432,7 @@ class SessionManager(SessionOps):
             SessionBusy: another turn of this session is in flight, or it moved on from
                 `expected_turns`.
             ContextTooLong: the message plus `max_new_tokens` cannot fit the context window.
+            TurnCancelled: `cancel` was set before the reply was complete.
         """
         self._check_open()
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -416,7 +453,9 @@ class SessionManager(SessionOps):
                 transcript = self._transcript(tenant_id, sid, record)
                 if expected_turns is not None and len(transcript.turns) != expected_turns:
                     raise SessionBusy(f"session {sid} moved on: it has {len(transcript.turns)} turns")
-                outcome = yield from self._run_turn(tenant_id, sid, transcript, message, params, stop_strings, lease)
+                outcome = yield from self._run_turn(
+                    tenant_id, sid, transcript, message, params, stop_strings, lease, cancel
+                )
                 self._store_turn(tenant_id, sid, transcript, message, outcome, owner)
                 if self.settings.reuse_kv:
                     lease.commit(outcome.cache)
@@ -433,6 +472,7 @@ class SessionManager(SessionOps):
         params: SamplingParams,
         stop: StopStrings,
         lease: Lease,
+        cancel: CancelToken | None,
     ) -> Generator[str, None, TurnOutcome]:
         """Yield the reply's text pieces; return the outcome (nothing stored yet)."""
         outcome = None
@@ -444,6 +484,7 @@ class SessionManager(SessionOps):
             params=params,
             lease=lease,
             stop=stop,
+            cancel=cancel,
         ):
             if isinstance(item, TurnOutcome):
                 outcome = item

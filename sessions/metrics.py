@@ -6,13 +6,14 @@ labels appear only with `Settings.metrics_tenant_labels` (bounded tenant counts)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cache.budgets import TierUsage
+from cache.ids import TenantId
 from cache.tiers import LOCAL_TIERS, Tier
 from sessions.engine.loop import BUSY_WINDOW_S, LoopStats
 
@@ -40,18 +41,28 @@ class _TierCollector(Collector):
 
 
 class _EngineCollector(Collector):
-    """Gauges read from the engine loop at scrape time."""
+    """Gauges read from the engine loop (and the turns being prepared for it) at scrape time."""
 
-    def __init__(self, stats: Callable[[], LoopStats], tenant_labels: bool) -> None:
+    def __init__(
+        self, stats: Callable[[], LoopStats], preparing: Callable[[], Mapping[TenantId, int]], tenant_labels: bool
+    ) -> None:
         self._stats = stats
+        self._preparing = preparing
         self._tenant_labels = tenant_labels
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         stats = self._stats()
         label = ["tenant"]
-        running = GaugeMetricFamily("chatkv_requests_running", "Turns running in the engine loop", labels=label)
+        running = GaugeMetricFamily(
+            "chatkv_requests_running",
+            "Turns running: in the engine loop, or being prepared for it (restore, template, window)",
+            labels=label,
+        )
         waiting = GaugeMetricFamily("chatkv_requests_waiting", "Turns waiting for admission", labels=label)
-        for family, counts in ((running, stats.running), (waiting, stats.waiting)):
+        running_counts: dict[TenantId, int] = dict(stats.running)
+        for tenant, count in self._preparing().items():
+            running_counts[tenant] = running_counts.get(tenant, 0) + count
+        for family, counts in ((running, running_counts), (waiting, stats.waiting)):
             if self._tenant_labels:
                 for tenant, count in sorted(counts.items()):
                     family.add_metric([tenant], count)
@@ -158,8 +169,9 @@ class Metrics:
     def watch_tiers(self, usage: Callable[[], TierUsage]) -> None:
         self.registry.register(_TierCollector(usage))
 
-    def watch_engine(self, stats: Callable[[], LoopStats]) -> None:
-        self.registry.register(_EngineCollector(stats, self._tenant_labels))
+    def watch_engine(self, stats: Callable[[], LoopStats], preparing: Callable[[], Mapping[TenantId, int]]) -> None:
+        """Expose the engine loop's gauges; `preparing`: turns per tenant not yet in the loop."""
+        self.registry.register(_EngineCollector(stats, preparing, self._tenant_labels))
 
     def step(self, requests: int, tokens: int, forward_s: float) -> None:
         """`StepObserver` of the engine loop."""

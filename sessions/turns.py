@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache, W
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS, ContextOverflow, WindowPlan, WindowPolicy
+from sessions.cancellation import CancelToken
 from sessions.chat_template import ChatTemplate, ConversationTokens, PastTurn, TemplateDivergence, rendering_digest
 from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine, Request, RequestResult
@@ -105,24 +107,47 @@ class TurnRunner:
         self.reuse_kv = reuse_kv
         self._active: dict[CacheKey, Request] = {}
         self._active_lock = threading.Lock()
+        self._preparing: Counter[TenantId] = Counter()
         self._closed_error: BaseException | None = None
 
     @contextmanager
-    def _running(self, key: CacheKey, request: Request) -> Iterator[None]:
+    def _running(self, key: CacheKey, request: Request, cancel: CancelToken | None) -> Iterator[None]:
         """Track the session's request while the turn reads it; a turn abandoned by its caller
-        (a closed stream) cancels it, so the loop frees its KV at the next step."""
+        (a closed stream, or `cancel` set) cancels it, so the loop frees its KV at the next step."""
         with self._active_lock:
             self._active[key] = request
             if self._closed_error is not None:
                 request.cancel(self._closed_error)
+        unregister = cancel.on_cancel(request.cancel) if cancel is not None else None
         try:
             yield
         finally:
+            if unregister is not None:
+                unregister()
             with self._active_lock:
                 if self._active.get(key) is request:
                     del self._active[key]
             request.cancel()
             self.engine.loop.wake()
+
+    @contextmanager
+    def _preparation(self, tenant_id: TenantId) -> Iterator[None]:
+        """Count a turn as preparing (restore, template, window) until it reaches the engine loop:
+        that work runs on the caller's thread and can be long, so it shows as a running turn."""
+        with self._active_lock:
+            self._preparing[tenant_id] += 1
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self._preparing[tenant_id] -= 1
+                if not self._preparing[tenant_id]:
+                    del self._preparing[tenant_id]
+
+    def preparing_by_tenant(self) -> dict[TenantId, int]:
+        """Turns being prepared now, per tenant (see `_preparation`)."""
+        with self._active_lock:
+            return dict(self._preparing)
 
     def cancel_requests(self, tenant_id: TenantId, session_id: SessionId | None = None) -> None:
         """Cancel the requests in flight of one session (or, with `None`, of every session of the
@@ -162,14 +187,41 @@ class TurnRunner:
         params: SamplingParams,
         lease: Lease,
         stop: StopStrings = NO_STOP,
+        cancel: CancelToken | None = None,
     ) -> Iterator[str | TurnOutcome]:
         """Yield reply text pieces (up to the first stop string), then one `TurnOutcome`. Nothing
         is stored here.
 
+        Args:
+            cancel: stops the turn between its preparation steps, or its request in the loop.
+
         Raises:
             ContextTooLong: if the turn cannot fit the window; raised before any model work.
+            TurnCancelled: if `cancel` was set before the reply was complete.
         """
         started = time.perf_counter()
+        with self._preparation(tenant_id):
+            prepared, source, restore_s = self._prepare(
+                tenant_id, session_id, transcript, user_text, params, lease, cancel
+            )
+        yield from self._generate(
+            prepared, transcript, user_text, params, stop, started, source, restore_s, lease, cancel
+        )
+
+    def _prepare(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        user_text: str,
+        params: SamplingParams,
+        lease: Lease,
+        cancel: CancelToken | None,
+    ) -> tuple[_Prepared, RestoreSource, float]:
+        """Restore or rebuild, and fit the window: the turn ready for the engine loop, where its
+        cache came from, and the restore's seconds. `cancel` is checked between the steps."""
+        if cancel is not None:
+            cancel.check()
         restored = lease.restore() if self.reuse_kv else Restored(None, None, 0.0)
         cache = restored.cache
         if cache is not None and not self._matches(cache, transcript):
@@ -181,6 +233,8 @@ class TurnRunner:
             log.info("session %s: no stored cache in any tier; rebuilding from the transcript", session_id)
         if cache is not None and restored.source is not None:
             source = _TIER_SOURCES[restored.source]
+        if cancel is not None:
+            cancel.check()
         plan = None
         if cache is not None:
             plan = self._plan_reuse(cache, transcript, user_text)
@@ -199,9 +253,9 @@ class TurnRunner:
             prepared = replace(prepared, base_computed=restored.base_prefill_tokens)
         else:
             prepared = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
-        yield from self._generate(
-            prepared, transcript, user_text, params, stop, started, source, restored.seconds, lease
-        )
+        if cancel is not None:
+            cancel.check()
+        return prepared, source, restored.seconds
 
     # -- reuse ---------------------------------------------------------------------------------
 
@@ -427,6 +481,7 @@ class TurnRunner:
         source: RestoreSource,
         restore_s: float,
         lease: Lease,
+        cancel: CancelToken | None,
     ) -> Iterator[str | TurnOutcome]:
         engine = self.engine
         request = Request(
@@ -443,7 +498,7 @@ class TurnRunner:
         generated: list[int] = []
         ttft_s = 0.0
         decode_started = time.perf_counter()
-        with self._running(lease.key, request):
+        with self._running(lease.key, request, cancel):
             stream = engine.loop.submit(request).tokens()
             while True:
                 try:

@@ -178,3 +178,22 @@ class SessionOwnerRow(Base):
     incarnation: Mapped[str | None] = mapped_column(String(32), default=None)
     """The incarnation (`ReplicaRow.incarnation`) of the process holding the lease: only that
     process renews it, takes it again without a new epoch, and commits under it."""
+
+
+class IdempotencyKeyRow(Base):
+    """The answer recorded under a client's `Idempotency-Key` (`storage.idempotency_store`).
+
+    `state` is `running` while the first request with the key runs, `done` once its answer is in
+    `response` (JSON). `request_digest` (SHA-256 of the route and the body) tells a retry from a
+    different request reusing the key. The row goes with its tenant and with its session.
+    """
+
+    __tablename__ = "idempotency_keys"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_digest: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(8))
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), default=None)
+    response: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

@@ -9,10 +9,10 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -20,6 +20,7 @@ import uvicorn
 
 from app.body_limits import DEFAULT_BODY_LIMITS
 from app.server import build_app
+from sessions.cancellation import CancelToken
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.settings import Settings
@@ -42,7 +43,7 @@ class Server:
         headers = {"Authorization": f"Bearer {self.keys[tenant]}", **kwargs.pop("headers", {})}
         if body is not None:
             kwargs["json"] = body
-        return httpx.post(f"{self.url}{path}", headers=headers, timeout=60, **kwargs)
+        return httpx.post(f"{self.url}{path}", headers=headers, **{"timeout": 60, **kwargs})
 
     def get(self, path: str, tenant: str = "acme") -> httpx.Response:
         return httpx.get(f"{self.url}{path}", headers={"Authorization": f"Bearer {self.keys[tenant]}"}, timeout=60)
@@ -274,6 +275,171 @@ def test_a_client_that_goes_away_mid_stream_cancels_the_turn_and_nothing_is_stor
         assert server.stored() == before
 
 
+def test_an_unstreamed_turn_whose_client_goes_away_is_cancelled_and_nothing_is_stored(server: Server) -> None:
+    session_id = server.manager.open_session("acme", "Be terse.")
+    before = server.stored()
+    long_turn = _chat(server, "Go on and on", max_tokens=3000, temperature=0)
+    for body in ({**long_turn, "session_id": session_id}, long_turn):  # explicit, then a new session
+        started = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            server.post("/chat/completions", body, timeout=1.5)
+        server.wait_idle()
+        assert time.monotonic() - started < 10  # 3,000 tokens were not generated
+        _wait_until(lambda: server.stored() == before)  # a session made for the turn goes with it
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come true"
+        time.sleep(0.02)
+
+
+class _RecordedTokens(CancelToken):
+    made: ClassVar[list[CancelToken]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        _RecordedTokens.made.append(self)
+
+
+def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The work before the engine loop (restore, template, window) shows in
+    `chatkv_requests_running` and ends when its client goes: nothing reaches the loop or the store."""
+    runner = server.manager.runner
+    preparing, release = threading.Event(), threading.Event()
+    prepare = runner._prepare_rebuild
+
+    def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        preparing.set()
+        release.wait(30)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_prepare_rebuild", slow_prepare)
+    monkeypatch.setattr("app.openai_api.CancelToken", _RecordedTokens)
+    _RecordedTokens.made.clear()
+    before, steps = server.stored(), server.manager.engine.loop.stats().steps
+
+    def post_and_go_away() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            server.post("/chat/completions", _chat(server), timeout=1)
+
+    client = threading.Thread(target=post_and_go_away)
+    client.start()
+    try:
+        assert preparing.wait(30)
+        metrics = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=10).text
+        assert 'chatkv_requests_running{tenant="*"} 1.0' in metrics
+        client.join(30)
+        _wait_until(lambda: _RecordedTokens.made[0].cancelled)  # the server saw the client go
+    finally:
+        release.set()
+    _wait_until(lambda: not runner.preparing_by_tenant())
+    _wait_until(lambda: server.stored() == before)
+    assert server.manager.engine.loop.stats().steps == steps
+
+
+def test_over_2048_messages_or_a_history_over_its_token_limit_is_refused_and_nothing_is_stored(
+    server: Server,
+) -> None:
+    before = server.stored()
+    pairs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(1024)]
+    too_many = [m for pair in pairs for m in pair] + [{"role": "user", "content": "next"}]
+    message = _error(
+        server.post("/chat/completions", {**_chat(server), "messages": too_many}), 400, "array_above_max_length"
+    )
+    assert "maximum length 2048, but got an array with length 2049" in message
+    # 8 times the tiny model's 4,096-token context: 600 turns of ~60 tokens each.
+    words = " ".join(["word"] * 30)
+    long_history = [
+        m
+        for i in range(600)
+        for m in ({"role": "user", "content": f"{i} {words}"}, {"role": "assistant", "content": words})
+    ]
+    over = server.post(
+        "/chat/completions", {**_chat(server), "messages": [*long_history, {"role": "user", "content": "next"}]}
+    )
+    assert "more than 32,768 tokens" in _error(over, 413, "context_length_exceeded")
+    assert server.stored() == before
+
+
+def test_the_longest_history_a_request_may_post_is_taken(server: Server) -> None:
+    """2,047 history messages and the new one: one render and one pass over them (issue 18: the
+    same request took minutes when each turn's cut point was found by rendering its prefix)."""
+    history = [
+        m
+        for i in range(1023)
+        for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"})
+    ]
+    answer = server.post(
+        "/chat/completions",
+        {**_chat(server), "messages": [*history, {"role": "user", "content": "next"}], "max_tokens": 1},
+    )
+    assert answer.status_code == 200, answer.text
+    assert server.manager.session_info("acme", answer.headers["x-session-id"]).message_count == 2048
+
+
+def test_a_retry_with_an_idempotency_key_gets_the_recorded_answer_and_runs_one_turn(server: Server) -> None:
+    session_id = server.manager.open_session("acme", "Be terse.")
+    body = {**_chat(server, "Once only", temperature=0), "session_id": session_id}
+    first = server.post("/chat/completions", body, headers={"Idempotency-Key": "turn-1"})
+    again = server.post("/chat/completions", body, headers={"Idempotency-Key": "turn-1"})
+    assert first.status_code == again.status_code == 200, again.text
+    assert again.json() == first.json()
+    assert again.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
+    assert again.headers["x-session-id"] == first.headers["x-session-id"] == session_id
+    assert server.manager.session_info("acme", session_id).message_count == 2
+    # Streamed: the retry is the recorded reply, streamed in one piece.
+    streamed = {**body, "content": None, "stream": True, "messages": [{"role": "user", "content": "Stream it"}]}
+    streamed.pop("content")
+    texts = []
+    for _ in range(2):
+        frames = _frames(server.post("/chat/completions", streamed, headers={"Idempotency-Key": "turn-2"}))
+        chunks = [json.loads(f) for f in frames[:-1]]
+        texts.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks))
+    assert texts[0] == texts[1] and server.manager.session_info("acme", session_id).message_count == 4
+    # The native route, and another tenant's identical key, which is its own.
+    native = {"content": "Native once", "max_tokens": 3}
+    replies = [
+        server.post(f"/sessions/{session_id}/messages", native, headers={"Idempotency-Key": "turn-3"}) for _ in range(2)
+    ]
+    assert replies[0].json() == replies[1].json() and replies[1].headers["idempotent-replayed"] == "true"
+    assert server.manager.session_info("acme", session_id).message_count == 6
+    other = server.post(
+        "/chat/completions", _chat(server, "Once only"), tenant="beta", headers={"Idempotency-Key": "turn-1"}
+    )
+    assert other.status_code == 200 and "idempotent-replayed" not in other.headers
+
+
+def test_an_idempotency_key_reused_for_another_request_or_still_running_is_refused(server: Server) -> None:
+    session_id = server.manager.open_session("acme", "Be terse.")
+    before = server.stored()
+    body = {**_chat(server, "Hold on", max_tokens=3000, temperature=0, stream=True), "session_id": session_id}
+    headers = {"Authorization": f"Bearer {server.keys['acme']}", "Idempotency-Key": "long"}
+    with (
+        httpx.Client(timeout=60, headers=headers) as client,
+        client.stream("POST", f"{server.url}/chat/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()  # kept: a dropped line iterator closes the response
+        assert next(lines).startswith("data: ")
+        running = server.post("/chat/completions", body, headers={"Idempotency-Key": "long"})
+        assert "still running" in _error(running, 409, "idempotency_key_in_use")
+        assert running.headers["retry-after"] == "1"
+        other = server.post("/chat/completions", {**body, "max_tokens": 5}, headers={"Idempotency-Key": "long"})
+        assert "different request" in _error(other, 400, "idempotency_key_reused")
+    server.wait_idle()
+    _wait_until(lambda: server.stored() == before)
+    # The abandoned turn gave its key up: the same request runs again (and completes, shorter).
+    short = {**body, "max_tokens": 2, "stream": False}
+    for key in ("long-2", "long-2"):
+        assert server.post("/chat/completions", short, headers={"Idempotency-Key": key}).status_code == 200
+    assert server.manager.session_info("acme", session_id).message_count == 2
+    for bad in ("has space", "x" * 256, "tab\tkey"):
+        _error(server.post("/chat/completions", short, headers={"Idempotency-Key": bad}), 400, "invalid_request")
+
+
 def test_a_busy_session_is_409_and_a_found_busy_session_is_not_continued(server: Server) -> None:
     first = server.post("/chat/completions", _chat(server, "Remember me", temperature=0))
     session_id = first.headers["x-session-id"]
@@ -306,7 +472,15 @@ def _bad(content: str) -> dict[str, Any]:
 BAD_REQUESTS: list[tuple[str, Any, int, str, str]] = [
     # (id, body: dict merged into a valid request, or raw bytes), status, code, part of the message
     ("not-json", b"{not json", 400, "invalid_request", "not valid JSON"),
-    ("not-utf8", b'{"model": "\xff"}', 400, "invalid_request", "error parsing the body"),
+    ("not-utf8", b'{"model": "\xff"}', 400, "invalid_request", "not valid UTF-8"),
+    # JSON parsers accept UTF-16 and UTF-32 by sniffing the first bytes; the API takes UTF-8 only.
+    (
+        "utf16-json",
+        '{"model": "x", "messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"),
+        400,
+        "invalid_request",
+        "not valid UTF-8",
+    ),
     ("messages-not-a-list", {"messages": "hi"}, 400, "invalid_request", "messages"),
     ("no-messages", {"messages": []}, 400, "invalid_request", "messages"),
     ("content-a-number", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request", "content"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,3 +209,48 @@ def test_eight_streaming_clients_in_their_own_processes_all_complete(api: Api) -
     for prompt, result in zip(prompts, results, strict=True):
         assert result["finish_reason"] in ("stop", "length")
         assert api.messages("acme", result["session_id"]) == [("user", prompt), ("assistant", result["text"])]
+
+
+def _idle(api: Api) -> bool:
+    """No turn running or waiting on the server (its `/metrics`)."""
+    metrics = httpx.get(f"{api.server.url}/metrics", timeout=10).text
+    counts = [
+        line.split()[-1]
+        for line in metrics.splitlines()
+        if line.startswith(("chatkv_requests_running{", "chatkv_requests_waiting{"))
+    ]
+    return all(float(count) == 0 for count in counts)
+
+
+def test_a_request_the_client_gave_up_on_is_not_stored_and_its_retry_is_not_stored_twice(api: Api) -> None:
+    """The official client times out and retries (by default): each abandoned attempt is cancelled,
+    so the transcript never holds the message twice (issue 18)."""
+    created = api.native("acme", "POST", "/sessions", json={"system_prompt": SYSTEM})
+    session_id = created.json()["id"]
+    impatient = OpenAI(base_url=api.server.v1, api_key=api.keys["acme"], max_retries=1, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(
+            model=api.model,
+            messages=[{"role": "user", "content": "Tell me everything"}],
+            max_tokens=3000,
+            extra_headers={"X-Session-ID": session_id},
+            **SAMPLED,
+        )
+    deadline = time.monotonic() + 30
+    while not _idle(api):
+        assert time.monotonic() < deadline, "a turn kept running after its client went away"
+        time.sleep(0.1)
+    time.sleep(0.5)  # a turn that had completed would be stored by now
+    assert api.messages("acme", session_id) == []
+    # With an Idempotency-Key, a completed request's retry is its recorded answer: one turn.
+    patient = api.client()
+    key = {"X-Session-ID": session_id, "Idempotency-Key": "ask-once"}
+    answers = [
+        patient.chat.completions.with_raw_response.create(
+            model=api.model, messages=[{"role": "user", "content": "Once"}], max_tokens=4, extra_headers=key
+        )
+        for _ in range(2)
+    ]
+    assert answers[0].parse().model_dump() == answers[1].parse().model_dump()
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert len(api.messages("acme", session_id)) == 2

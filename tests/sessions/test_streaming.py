@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
+from sessions.cancellation import CancelToken
 from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine
+from sessions.errors import TurnCancelled
 from sessions.manager import SessionManager
 
 TEXT = "猫が好きです 🐱🎉 naïve café"
@@ -33,3 +37,23 @@ def test_stream_chat_pieces_join_to_reply_text(tiny_manager: SessionManager) -> 
     assert all(isinstance(piece, str) and piece for piece in pieces)
     assert "".join(pieces) == reply.text  # type: ignore[arg-type]
     assert any(ord(ch) > 0x7F for ch in reply.text)  # type: ignore[union-attr]
+
+
+def test_a_cancelled_turn_stops_where_it_is_and_stores_nothing(tiny_manager: SessionManager) -> None:
+    """`CancelToken`: set before the turn, it is refused before any work; set mid-reply, the engine
+    loop drops the request at its next step. Either way nothing is stored and the session is free."""
+    tenant = tiny_manager.create_tenant("acme")
+    sid = tiny_manager.open_session(tenant)
+    early = CancelToken()
+    early.cancel("gone before it started")
+    with pytest.raises(TurnCancelled, match="gone before it started"):
+        tiny_manager.chat(tenant, sid, "hello", cancel=early)
+    late = CancelToken()
+    stream = tiny_manager.stream_chat(tenant, sid, "hello", max_new_tokens=3000, temperature=1.0, seed=3, cancel=late)
+    assert isinstance(next(stream), str)
+    late.cancel()
+    with pytest.raises(TurnCancelled):
+        for _ in stream:
+            pass
+    assert tiny_manager.history(tenant, sid) == []
+    assert tiny_manager.chat(tenant, sid, "again", max_new_tokens=2).stats.restored_from == "new"

@@ -112,6 +112,84 @@ def test_whole_conversation_of_a_stable_template_is_the_spliced_conversation(tin
     assert whole.turn_starts == (cut.turn_starts[0], cut.turn_starts[-1])
 
 
+FIRST_USER_FRAMED_APART = (
+    # The first user turn is framed unlike the later ones (as Llama 2 wraps its first [INST]).
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'user' and loop.index0 <= 1 %}(first) {% endif %}{{ m.content }}<|im_end|>\n{% endfor %}" + _CLOSE
+)
+
+
+class _CountingTokenizer:
+    """A tokenizer whose template renders are counted."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.chat_template = tokenizer.chat_template
+        self.renders = 0
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        return self._tokenizer.apply_chat_template(conversation, **kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _past(engine: Engine, turns: int) -> list[PastTurn]:
+    """`turns` turns whose replies re-tokenise to other ids (each character on its own) and whose
+    texts contain the template's own framing."""
+    encode, eos = engine.tokenizer.encode, engine.tokenizer.eos_token_id
+    past = []
+    for i in range(turns):
+        user = f"question {i} <|im_start|>user\n" if i % 7 == 3 else f" question {i}\n\n"
+        reply = f"answer {i}<|im_end|>\n" if i % 5 == 2 else f"answer {i}\n\nmore"
+        past.append(PastTurn(user, reply, (*(t for ch in reply for t in encode(ch, add_special_tokens=False)), eos)))
+    return past
+
+
+def _cut_by_renders(template: ChatTemplate, system_prompt: str, past: list[PastTurn], message: str) -> list[int]:
+    """The stream cut where every turn's prefix renders end (one render per turn: the reference)."""
+    conversation = template.conversation(system_prompt, [], message) if not past else None
+    if conversation is not None:
+        return list(conversation.token_ids)
+    system = [{"role": "system", "content": system_prompt}]
+    full = template._render([*system, *_messages(past), {"role": "user", "content": message}], True)
+    base = template._system_text(system)
+    ids, cursor = list(template._encode(base)), len(base)
+    for index, turn in enumerate(past):
+        cut = template._cut_by_renders(full, system, past, index)
+        ids += template._encode(full[cursor : cut.content_start])
+        ids += template.content_ids(turn.assistant_ids)
+        ids += template._encode(full[cut.content_end : cut.next_start])
+        cursor = cut.next_start
+    return ids + list(template._encode(full[cursor:]))
+
+
+def _messages(past: list[PastTurn]) -> list[dict[str, str]]:
+    return [
+        m
+        for t in past
+        for m in ({"role": "user", "content": t.user_text}, {"role": "assistant", "content": t.assistant_text})
+    ]
+
+
+@pytest.mark.parametrize("template_text", [None, FIRST_USER_FRAMED_APART], ids=["model-template", "first-turn-apart"])
+def test_a_long_conversation_is_rendered_a_few_times_and_cut_where_its_prefixes_end(
+    tiny_model_dir: Path, tiny_engine: Engine, template_text: str | None
+) -> None:
+    """200 turns: a handful of renders, not two per turn (issue 18: a 5,000-turn history took tens
+    of minutes), and the same ids as cutting every turn at its own prefix renders."""
+    engine = tiny_engine if template_text is None else engine_with_template(tiny_model_dir, tiny_engine, template_text)
+    counting = _CountingTokenizer(engine.tokenizer)
+    template = ChatTemplate(counting, engine.stop_token_ids)
+    past = _past(engine, 200)
+    counting.renders = 0
+    conversation = template.conversation(SYSTEM, past, "And then?")
+    assert counting.renders <= 8
+    assert list(conversation.token_ids) == _cut_by_renders(template, SYSTEM, past, "And then?")
+    assert len(conversation.turn_starts) == 201
+
+
 def test_next_turn_refuses_a_cache_of_another_rendering(tiny_engine: Engine) -> None:
     template = ChatTemplate(tiny_engine.tokenizer, tiny_engine.stop_token_ids)
     eos = tiny_engine.tokenizer.eos_token_id

@@ -20,7 +20,16 @@ from storage.metadata_store import MetadataStore
 from storage.schema import Base
 from tests.storage.conftest import add_session
 
-TABLES = {"alembic_version", "tenants", "sessions", "messages", "cache_blobs", "replicas", "session_owners"}
+TABLES = {
+    "alembic_version",
+    "tenants",
+    "sessions",
+    "messages",
+    "cache_blobs",
+    "replicas",
+    "session_owners",
+    "idempotency_keys",
+}
 
 
 def schema_diff(engine: Engine) -> list[object]:
@@ -38,10 +47,10 @@ def test_upgrade_on_an_empty_database_gives_the_models_schema(db_url: str) -> No
         assert current_revision(engine) is None
         upgrade(db_url, engine)
         assert set(inspect(engine).get_table_names()) == TABLES
-        assert current_revision(engine) == head_revision() == "0006"
+        assert current_revision(engine) == head_revision() == "0007"
         assert schema_diff(engine) == []
         upgrade(db_url, engine)  # a second start-up is a no-op
-        assert current_revision(engine) == "0006"
+        assert current_revision(engine) == "0007"
     finally:
         engine.dispose()
 
