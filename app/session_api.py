@@ -79,9 +79,7 @@ class SessionList(BaseModel):
 class MessageOut(BaseModel):
     index: int
     role: Literal["system", "user", "assistant"]
-    content: str = Field(
-        description="The stored text: a reply cut by a stop string keeps its whole generated text here."
-    )
+    content: str = Field(description="The stored text: a reply cut by a stop string is stored as it was returned, cut.")
     tokens: int = Field(
         description="Token ids stored with it (a user message's include the template's framing; a reply's "
         "are the generated ids)."

@@ -132,6 +132,7 @@ class ChatTemplate:
             raise ValueError("the tokenizer has no chat template; chatkv needs one to frame turns")
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_token_ids)
+        self._reply_end = tuple(stop_token_ids[:1])
         self._user_prefix = self._probe_user_prefix()
         self._reply_prefix = self._probe_reply_prefix()
 
@@ -142,6 +143,12 @@ class ChatTemplate:
         if assistant_ids and assistant_ids[-1] in self._stop_ids:
             return tuple(assistant_ids[:-1])
         return tuple(assistant_ids)
+
+    def text_reply_ids(self, text: str) -> tuple[int, ...]:
+        """Ids of a reply known by its text only (a posted history, or a reply cut by a stop
+        string): the text tokenised, then the first stop token, so it reads as a complete reply
+        (an empty one too) and the next turn feeds the template's closing after it."""
+        return (*self._encode(text), *self._reply_end)
 
     def system_prefix_ids(self, system_prompt: str | None) -> tuple[int, ...]:
         """Ids of the shareable prefix (the system-prompt rendering) of any conversation with this

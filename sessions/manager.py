@@ -309,8 +309,7 @@ class SessionManager(SessionOps):
         for user_text, reply_text in history:
             check_text(user_text, "a history message", MAX_MESSAGE_CHARS)
             check_text(reply_text, "a history reply", MAX_MESSAGE_CHARS)
-            # Ended like a complete reply (a stop token), so an empty one reads as one too.
-            reply_ids = (*tokenizer.encode(reply_text, add_special_tokens=False), self.engine.stop_token_ids[0])
+            reply_ids = self.template.text_reply_ids(reply_text)
             tokens += len(reply_ids) + len(tokenizer.encode(user_text, add_special_tokens=False))
             if tokens > limit_tokens:
                 raise HistoryTooLong(
@@ -419,7 +418,8 @@ class SessionManager(SessionOps):
 
         Args:
             stop: up to 4 strings that end the reply once its text contains one; `Reply.text`
-                ends before it, the transcript keeps every generated id and their whole text.
+                ends before it, and the transcript stores the reply as returned (its text's ids
+                and a stop token, as a posted history of it would be stored).
             expected_turns: continue only if the session has exactly this many turns (it was found
                 by its history, and another turn may have got there first).
             cancel: set by the caller to stop the turn (its client went away): the turn raises
@@ -457,8 +457,10 @@ class SessionManager(SessionOps):
                     tenant_id, sid, transcript, message, params, stop_strings, lease, cancel
                 )
                 self._store_turn(tenant_id, sid, transcript, message, outcome, owner)
-                if self.settings.reuse_kv:
+                if self.settings.reuse_kv and outcome.cache is not None:
                     lease.commit(outcome.cache)
+                elif self.settings.reuse_kv:
+                    lease.discard()  # no cache ends where the stored reply does; the next turn rebuilds
         except LeaseHeld:  # only the lease's entry raises it: another turn holds the session
             raise SessionBusy(f"session {sid} has a turn in flight; wait for its reply") from None
         yield outcome.reply
@@ -510,7 +512,7 @@ class SessionManager(SessionOps):
                 session_id=session_id,
                 messages=[
                     ("user", message, outcome.user_token_ids),
-                    ("assistant", reply.stored_text, reply.token_ids),
+                    ("assistant", reply.stored_text, outcome.reply_token_ids),
                 ],
                 token_count=outcome.token_count,
                 model_fingerprint=self.engine.fingerprint,
@@ -525,7 +527,7 @@ class SessionManager(SessionOps):
                 f"session {session_id} was taken over by another replica while this turn ran; "
                 "it was not stored, retry it"
             ) from None
-        transcript.append(PastTurn(message, reply.stored_text, reply.token_ids), outcome.token_count)
+        transcript.append(PastTurn(message, reply.stored_text, outcome.reply_token_ids), outcome.token_count)
         if outcome.unpinned_turn is not None:
             transcript.pinned.discard(outcome.unpinned_turn)
             self.metadata.set_pinned_turns(

@@ -44,7 +44,8 @@ class Message:
     role: Role
     text: str
     token_ids: tuple[int, ...]
-    """Exact ids. Assistant: the generated ids, stop token included. User: the stream ids from the
+    """Exact ids. Assistant: the generated ids, stop token included (a reply cut by a stop string,
+    or one posted in a history: its text's ids and a stop token). User: the stream ids from the
     end of the previous turn's fed tokens up to the generation prompt (the previous reply's unfed
     tokens and closing, the template's framing and the message; the first turn's include the
     system prompt's rendering)."""
@@ -70,7 +71,8 @@ class TurnStats:
     demoted_tokens: int = 0
     """Tokens of turn layers demoted out of the context window before this turn."""
     cache_tokens: int = 0
-    """Tokens held in the session cache after the turn (window size)."""
+    """Tokens held in the session cache after the turn (window size); 0 when the turn kept none
+    (a stop string cut the reply inside a token: the next turn rebuilds)."""
     queue_s: float = 0.0
     """From submitting the turn to the engine loop to the first step that ran it (part of `ttft_s`)."""
 
@@ -90,9 +92,10 @@ class Reply:
 
     @property
     def stored_text(self) -> str:
-        """The text the transcript stores: the whole text of `token_ids` (the ids the session's
-        cache holds), stop string and anything after it included."""
-        return self.text if self.generated_text is None else self.generated_text
+        """The text the transcript stores: the reply as returned (`text`). A reply cut by a stop
+        string is stored cut, with its text's ids and a stop token rather than `token_ids`, as a
+        posted history of it would be, so the session answers next as a fresh post of it does."""
+        return self.text
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ the returned text:
     released              "Hello "           ("wor" could start "world": held back)
     next piece "ld!"      stop found at 6    released "" ; the returned text is "Hello "
 
-The reply's token ids are not cut: the model generated them and the session's cache holds them, so
-the stored turn keeps every id and the whole text they decode to (see `TurnRunner`).
+The turn is stored as its client saw it: the returned text, with its own ids and a stop token
+(what a posted history of that text stores), and the session's cache is cropped to end there, or
+not kept when no cache ends there (see `TurnRunner`). `Reply.token_ids` stays what was generated.
 """
 
 from __future__ import annotations

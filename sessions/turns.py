@@ -18,8 +18,11 @@ demoted, or tokens evicted by attention under the `attention` policy).
 With `reuse_kv` off (a benchmark baseline) every turn takes the rebuild path without the pool.
 
 A turn with stop strings ends early once its text contains one (`sessions.stop_strings`): the
-request is finished at the loop's next step, and the stored turn keeps every generated id and
-their whole text, while the reply returned is cut before the stop string.
+request is finished at the loop's next step and the reply returned is cut before the stop string.
+The turn stores what its client saw, as a posted history of it would (the cut text, its ids and a
+stop token), so continuing the session answers as a fresh post of that history does: the cache is
+cropped back to the end of the cut text when those ids are the first generated ones, and is not
+kept otherwise (a cut inside a token), so that the next turn rebuilds.
 """
 
 from __future__ import annotations
@@ -77,9 +80,15 @@ class TurnOutcome:
     """Everything the manager stores after the turn."""
 
     reply: Reply
-    cache: SessionCache
+    cache: SessionCache | None
+    """The session's cache after the turn; `None` when it is not kept (a stop string cut the reply
+    where no cache ends: the next turn rebuilds from the transcript)."""
     user_token_ids: tuple[int, ...]
+    reply_token_ids: tuple[int, ...]
+    """Ids the transcript stores for the reply: the generated ids (`Reply.token_ids`), or after a
+    stop string the returned text's ids and a stop token, as a posted history of that text has."""
     token_count: int
+    """Conversation-stream length once the reply's stored ids are fed (all but the last)."""
     unpinned_turn: int | None = None
     """A turn due to be pinned (`pin_first_turn`) that was left unpinned: pinning it would have
     left less than `MIN_TURN_TOKENS` of the window."""
@@ -530,19 +539,29 @@ class TurnRunner:
         if prepared.pending_base is not None:
             start = self.engine.empty_cache(self._adopt_base(prepared.pending_base, working, lease))
             prefilled = prefilled[start.base_tokens :]
-        appended = (*prefilled, *generated[:-1])
+        cut = scanner.cut
+        text = detokenizer.text if cut is None else detokenizer.text[:cut]
+        stored_ids, keep = (tuple(generated), True) if cut is None else self._cut_reply(text, generated)
+        # The reply's part of the stream: every stored id but the last (the generated one never
+        # fed, or the stop token after a cut, replaced by the template's closing next turn).
+        reply_tokens = len(stored_ids) - 1
+        if keep and reply_tokens < len(generated) - 1:
+            working.crop(reply_tokens - (len(generated) - 1))  # transformers 5 crops by a negative count
         spans = list(prepared.spans)
-        spans[-1] = replace(spans[-1], token_count=prepared.new_turn_prefill + len(generated) - 1)
+        spans[-1] = replace(spans[-1], token_count=prepared.new_turn_prefill + reply_tokens)
         unpinned = None
         if spans[-1].pinned and not self._pins_leave_room(start, spans):
             unpinned = spans[-1].turn_index
             spans[-1] = replace(spans[-1], kind=LayerKind.TURN)
             log.warning("turn %s is not pinned: it would leave no room in the window", unpinned)
-        turn = PastTurn(user_text, detokenizer.text, tuple(generated))
+        turn = PastTurn(user_text, text, stored_ids)
         digest = transcript_digest(transcript.digest, turn, None)
-        rendered = rendering_digest(prepared.rendering + detokenizer.text)
-        cache = start.after_turn(working, appended, spans, transcript_digest=digest, rendering_digest=rendered)
-        stopped = scanner.cut is not None or bool(generated and generated[-1] in engine.stop_token_ids)
+        rendered = rendering_digest(prepared.rendering + text)
+        cache = None
+        if keep:
+            appended = (*prefilled, *generated[:reply_tokens])
+            cache = start.after_turn(working, appended, spans, transcript_digest=digest, rendering_digest=rendered)
+        stopped = cut is not None or bool(generated and generated[-1] in engine.stop_token_ids)
         finish: FinishReason = "stop" if stopped else "length"
         stats = TurnStats(
             prefill_tokens=len(prepared.prefill) + prepared.base_computed,
@@ -554,20 +573,36 @@ class TurnRunner:
             restore_s=restore_s,
             base_reused_tokens=prepared.base_reused,
             demoted_tokens=prepared.demoted_tokens,
-            cache_tokens=cache.total_tokens,
+            cache_tokens=0 if cache is None else cache.total_tokens,
             queue_s=result.queue_s,
         )
-        cut = scanner.cut
         reply = Reply(
-            text=detokenizer.text if cut is None else detokenizer.text[:cut],
+            text=text,
             token_ids=tuple(generated),
             stats=stats,
             finish_reason=finish,
             generated_text=None if cut is None else detokenizer.text,
         )
-        yield TurnOutcome(
-            reply, cache, prepared.user_token_ids, prepared.stream_before_reply + len(generated) - 1, unpinned
-        )
+        # Whether the cache was kept or the next turn rebuilds, the stream goes on after the
+        # reply's stored ids, as a rebuild from the transcript counts it.
+        token_count = prepared.stream_before_reply + reply_tokens
+        yield TurnOutcome(reply, cache, prepared.user_token_ids, stored_ids, token_count, unpinned)
+
+    def _cut_reply(self, text: str, generated: Sequence[int]) -> tuple[tuple[int, ...], bool]:
+        """The ids a reply cut by a stop string is stored with, and whether the turn's cache can
+        be kept.
+
+        The ids are those a posted history with the returned `text` stores
+        (`ChatTemplate.text_reply_ids`: `text` tokenised, then a stop token), so that continuing
+        the session answers as a fresh post of what the client saw. The cache is kept (cropped
+        to end after `text`'s ids) only if those ids are the first generated ones and were fed:
+        not when the cut fell inside a token or `text` tokenises another way; the next turn then
+        rebuilds from the transcript.
+        """
+        stored = self.template.text_reply_ids(text)
+        content = self.template.content_ids(stored)
+        fed = len(generated) - 1  # the working cache holds every generated id but the last
+        return stored, len(content) <= fed and tuple(generated[: len(content)]) == content
 
     def _adopt_base(self, pending: _PendingBase, working: WorkingCache, lease: Lease) -> BaseLayer:
         """Copy the base prefix out of the turn's working cache into the tenant's pool (not

@@ -4,8 +4,8 @@ history finds the session that holds its KV cache (`MetadataStore.sessions_by_hi
 A stock OpenAI client sends the whole conversation with every request. The session to continue is
 the tenant's session whose history is exactly the posted one minus its last user message: the
 system prompt, every user text and every reply text *as it was returned* (cut before a stop
-string, where one ended the reply; the stored text is the whole text of the generated ids). The
-digest is a SHA-256 chain, so a turn extends it without reading the transcript:
+string, where one ended the reply; the transcript stores it so too). The digest is a SHA-256
+chain, so a turn extends it without reading the transcript:
 
     d0 = H("chatkv-history-v1", system prompt or none)
     dn = H(dn-1, user text n, reply text n as returned)

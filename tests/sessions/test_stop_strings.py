@@ -1,11 +1,13 @@
 """Stop strings: the reply returned ends before the first one, the request finishes early (not
-cancelled) at the engine loop's next step, and the stored turn keeps every generated id and their
-whole text, so the next turn continues a consistent cache (compared with a full re-prefill)."""
+cancelled) at the engine loop's next step, and the turn is stored as its client saw it (the cut
+text, its ids and a stop token, as a posted history of it is), with the cache cropped to end there
+or not kept: the next turn answers as a fresh post of that history, and as a full re-prefill."""
 
 from __future__ import annotations
 
 import pytest
 
+from app.api_turns import TurnParams, continue_history
 from sessions.chat_template import PastTurn
 from sessions.engine import Engine, Request
 from sessions.errors import InvalidInput
@@ -13,11 +15,12 @@ from sessions.manager import SessionManager
 from sessions.records import Reply
 from sessions.sampling import SamplingParams
 from sessions.stop_strings import StopScanner, StopStrings
-from storage.history_digest import history_digest
-from tests.sessions.test_exact_reuse import greedy_from_scratch
+from tests.sessions.test_exact_reuse import expected_new_turn_tokens, greedy_from_scratch
 
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_new_tokens": 40}
 """The tiny model's greedy replies are one token repeated; a seeded sample is varied and repeatable."""
+STOP_ID = 2
+"""SmolLM2's `<|im_end|>`: the stop token a reply cut by a stop string is stored with."""
 
 
 @pytest.mark.parametrize(
@@ -66,7 +69,7 @@ def _stream(manager: SessionManager, tenant: str, sid: str, message: str, **kwar
     return "".join(pieces), reply
 
 
-def test_a_stop_string_ends_the_turn_early_and_the_turn_keeps_every_generated_id(
+def test_a_stop_string_ends_the_turn_early_and_the_turn_stores_the_reply_as_returned(
     tiny_manager: SessionManager,
 ) -> None:
     manager = tiny_manager
@@ -83,13 +86,63 @@ def test_a_stop_string_ends_the_turn_early_and_the_turn_keeps_every_generated_id
     # The same seeded samples, ended early: a few tokens past the stop string at most, not 40.
     n = len(reply.token_ids)
     assert reply.token_ids == free.token_ids[:n] and n < len(free.token_ids)
-    stored = manager.engine.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
-    assert reply.stored_text == stored and stored.startswith(reply.text + stop)
+    generated = manager.engine.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
+    assert reply.generated_text == generated and generated.startswith(reply.text + stop)
+    # Stored as returned, with the ids a posted history of that text has.
     [user, assistant] = manager.history(tenant, sid)
-    assert (user.text, assistant.text, assistant.token_ids) == ("Hello", stored, reply.token_ids)
+    returned_ids = (*manager.engine.tokenizer.encode(reply.text, add_special_tokens=False), STOP_ID)
+    assert (user.text, assistant.text, assistant.token_ids) == ("Hello", reply.text, returned_ids)
+    assert reply.stored_text == reply.text
     # The session is found by the history its client saw: the reply as returned.
     assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", reply.text)]) == [sid]
-    assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", stored)]) == []
+    assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", generated)]) == []
+
+
+@pytest.mark.parametrize(("inside_a_token", "restored_from"), [(False, "device"), (True, "rebuilt")])
+def test_after_a_cut_the_session_holds_what_its_client_saw_and_the_next_turn_reuses_or_rebuilds_it(
+    tiny_manager: SessionManager, inside_a_token: bool, restored_from: str
+) -> None:
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme")
+    tokenizer = manager.engine.tokenizer
+    # Two sessions alike up to their second turn, which reuses the cache of the first: one
+    # replies freely, the other is cut by a stop string at the reply's 6th token (or one
+    # character into it), so the same seeded samples are cut.
+    sessions = [manager.open_session(tenant, "Be terse.") for _ in range(2)]
+    for sid in sessions:
+        manager.chat(tenant, sid, "Hello", **SAMPLED)  # type: ignore[arg-type]
+    free = manager.chat(tenant, sessions[0], "Tell me more", **SAMPLED)  # type: ignore[arg-type]
+    start = len(tokenizer.decode(free.token_ids[:6])) + inside_a_token
+    stop = free.text[start : start + 6]
+    assert free.text.index(stop) == start
+    returned_ids = tuple(tokenizer.encode(free.text[:start], add_special_tokens=False))
+    assert (returned_ids == free.token_ids[:6]) is not inside_a_token
+
+    sid = sessions[1]
+    cut = manager.chat(tenant, sid, "Tell me more", stop=[stop], **SAMPLED)  # type: ignore[arg-type]
+    assert (cut.text, cut.stats.restored_from) == (free.text[:start], "device")
+    history = manager.history(tenant, sid)
+    assert (history[3].text, history[3].token_ids) == (cut.text, (*returned_ids, STOP_ID))
+    info = manager.session_info(tenant, sid)
+    # The stream goes on after the stored reply's ids. A reply's last id is not counted: it is
+    # fed with the next user message's ids, or it is the stop token the closing replaces.
+    fed = sum(len(m.token_ids) for m in history) - 2
+    assert info.token_count == fed
+    if inside_a_token:
+        # No cache ends where the returned text does: none is kept, the transcript rebuilds it.
+        assert (info.tier, cut.stats.cache_tokens) == (None, 0)
+    else:
+        assert (info.tier, cut.stats.cache_tokens) == ("device", fed)
+
+    follow = manager.chat(tenant, sid, "Go on", max_new_tokens=4)
+    assert follow.stats.restored_from == restored_from
+    history = manager.history(tenant, sid)
+    past = [PastTurn(u.text, a.text, a.token_ids) for u, a in zip(history[:4:2], history[1:4:2], strict=True)]
+    conversation = manager.template.conversation("Be terse.", past, "Go on")
+    assert history[4].token_ids == conversation.token_ids[info.token_count :]
+    assert follow.stats.prefill_tokens + follow.stats.reused_tokens == len(conversation.token_ids)
+    if not inside_a_token:
+        assert follow.stats.reused_tokens == fed and follow.stats.prefill_tokens == len(history[4].token_ids)
 
 
 def test_finish_early_ends_a_request_normally_with_a_consistent_cache(tiny_engine: Engine) -> None:
@@ -133,8 +186,57 @@ def test_after_a_stop_string_the_next_turn_continues_an_exact_cache(real_manager
     assert cut.text == free.text[: free.text.index(stop)] and cut.finish_reason == "stop"
     reply = manager.chat(tenant, sid, second, max_new_tokens=20)
     assert reply.stats.restored_from == "device"
-    past = [PastTurn(first, cut.stored_text, cut.token_ids)]
+    [_, stored, _, _] = manager.history(tenant, sid)
+    past = [PastTurn(first, cut.text, stored.token_ids)]
     conversation = manager.template.conversation(system, past, second)
     assert list(reply.token_ids) == greedy_from_scratch(manager.engine, list(conversation.token_ids), 20)
     assert manager.find_sessions_by_history(tenant, system, [(first, cut.text), (second, reply.text)]) == [sid]
-    assert history_digest(system, [(first, cut.text)]) != history_digest(system, [(first, cut.stored_text)])
+
+
+SYSTEM = "You are a helpful assistant."
+FRUITS = "List five fruits as a numbered list."
+SWEETEST = "Which one is the sweetest?"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("stop", "at_token_boundary", "restored"),
+    [
+        ("\n5", True, "device"),  # "...4. Anise" + "\n" "5": the cut text is the first generated ids
+        ("nas", False, "rebuilt"),  # "1. Ba" "nas": cut inside the token " Ban" "anas"
+    ],
+)
+@pytest.mark.parametrize("found_by", ["history", "id"])
+def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_client_saw(
+    real_manager: SessionManager, stop: str, at_token_boundary: bool, restored: str, found_by: str
+) -> None:
+    manager = real_manager
+    tenant = manager.create_tenant("acme")
+    tokenizer = manager.engine.tokenizer
+    first = continue_history(manager, tenant, SYSTEM, [], FRUITS, TurnParams(40, 0.0, 1.0, None, (stop,)))
+    cut = first.run()
+    assert cut.finish_reason == "stop" and stop not in cut.text and cut.text.startswith("1. Bana")
+    cut_ids = tuple(tokenizer.encode(cut.text, add_special_tokens=False))
+    assert (cut.token_ids[: len(cut_ids)] == cut_ids) is at_token_boundary
+
+    posted = [(FRUITS, cut.text)]
+    if found_by == "history":
+        # The stateless client posts the history it saw: the session is found and continued.
+        started = continue_history(manager, tenant, SYSTEM, posted, SWEETEST, TurnParams(30, 0.0, 1.0, None, ()))
+        assert (started.session_id, started.created) == (first.session_id, False)
+        follow = started.run()
+    else:
+        follow = manager.chat(tenant, first.session_id, SWEETEST, max_new_tokens=30)
+    fresh_id = manager.open_session(tenant, SYSTEM, history=posted)
+    fresh = manager.chat(tenant, fresh_id, SWEETEST, max_new_tokens=30)
+
+    assert (follow.text, follow.token_ids) == (fresh.text, fresh.token_ids)
+    assert follow.stats.restored_from == restored
+    # The cut reply is stored exactly as the fresh post of its history stores it.
+    [_, reply, *_], [_, posted_reply, *_] = (manager.history(tenant, s) for s in (first.session_id, fresh_id))
+    assert (reply.text, reply.token_ids) == (posted_reply.text, posted_reply.token_ids)
+    assert reply.token_ids == (*cut_ids, manager.engine.stop_token_ids[0])
+    if at_token_boundary:
+        # Only the new turn was prefilled: the cache ends where the returned text ends.
+        past = [PastTurn(FRUITS, cut.text, reply.token_ids)]
+        assert follow.stats.prefill_tokens == expected_new_turn_tokens(manager, past, SWEETEST)
