@@ -1,4 +1,8 @@
-"""Errors of the storage layer that callers translate into domain errors (`sessions.errors`)."""
+"""The root of the storage layer's errors: every exception class declared in `storage/` derives from
+`StorageError`, and callers (`sessions/`) catch them by name and translate them into domain errors
+(`sessions.errors`). Each class lives beside the code that raises it (`BlobNotFound` in
+blob_stores.py, `KeyRingError` in keyring.py, ...); those raised by more than one module live here.
+"""
 
 from __future__ import annotations
 
