@@ -13,3 +13,8 @@ class StorageError(Exception):
 
 class AlreadyExists(StorageError):
     """A unique name is taken."""
+
+
+class SessionGone(StorageError):
+    """The session does not exist (for this tenant): never created, or deleted meanwhile (while a
+    turn ran). Raised by the metadata store and the replica store, with the session id."""
