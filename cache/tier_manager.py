@@ -44,6 +44,7 @@ from contextlib import contextmanager
 
 from cache.budgets import TierBudgets
 from cache.entries import SessionEntry
+from cache.errors import CacheError
 from cache.ids import PrefixKey, TenantId
 from cache.lease import Lease
 from cache.prefix_pool import PrefixPool
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 PUBLISH_LOCK_STRIPES = 64
 
 
-class LeaseHeld(Exception):
+class LeaseHeld(CacheError):
     """The session already has a turn in flight."""
 
 
