@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from cache.errors import CacheError
 from cache.ids import PrefixKey
 from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
@@ -32,7 +33,7 @@ READABLE_VERSIONS = (1, 2)
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
 
 
-class MalformedCache(ValueError):
+class MalformedCache(CacheError):
     """Tensors and header do not describe a valid cache (wrong names, shapes or version)."""
 
 

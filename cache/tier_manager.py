@@ -11,11 +11,12 @@ session (a turn in flight) is never moved or dropped. A tenant over its device q
 sessions first, so it cannot push other tenants' sessions off the device beyond its quota.
 
 `TierManager` is the front object and the one owner of the per-session `SessionEntry` records,
-under one lock. Behind it: `Lease` (cache/lease.py) is a turn's handle; `Restorer`
-(cache/restore.py) opens stored caches and finds base layers; `TierMoves` (cache/tier_moves.py,
-its base class) enforces the budgets by moving caches down; `WriteBack` (cache/write_back.py) is
-the background writer; cache/entries.py picks the least recently used entries and cache/budgets.py
-measures the tiers against their budgets.
+under one lock. It builds and holds the objects behind it: `Restorer` (cache/restore.py) opens
+stored caches and finds base layers; `TierMoves` (cache/tier_moves.py) enforces the budgets by
+moving caches down, on the entries it is handed; `WriteBack` (cache/write_back.py) is the
+background writer. `Lease` (cache/lease.py) is a turn's handle, calling back the calls of
+`LeaseIssuer` that this class provides. cache/entries.py picks the least recently used entries and
+cache/budgets.py measures the tiers against their budgets.
 
 Replicas add a shared tier (Redis, `cache/shared_tier.py`): not a placement but a copy beside it.
 Each write-back also publishes the new version there, `publish` does so before a replica hands a
@@ -42,8 +43,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from cache.budgets import TierBudgets
+from cache.budgets import TierBudgets, TierUsage
 from cache.entries import SessionEntry
+from cache.errors import CacheError
 from cache.ids import PrefixKey, TenantId
 from cache.lease import Lease
 from cache.prefix_pool import PrefixPool
@@ -69,11 +71,11 @@ log = logging.getLogger(__name__)
 PUBLISH_LOCK_STRIPES = 64
 
 
-class LeaseHeld(Exception):
+class LeaseHeld(CacheError):
     """The session already has a turn in flight."""
 
 
-class TierManager(TierMoves):
+class TierManager:
     """See the module docstring. Thread-safe; one instance per process.
 
     Args:
@@ -103,7 +105,6 @@ class TierManager(TierMoves):
         may_publish: Callable[[CacheKey], bool] | None = None,
     ) -> None:
         self.pool = pool
-        self.budgets = budgets
         self._sealer = sealer
         self._stores = {Tier.HOST: host, Tier.DISK: disk}
         self._write_back = write_back
@@ -113,6 +114,17 @@ class TierManager(TierMoves):
         self._lock = threading.RLock()
         self._clock = itertools.count(1)
         self._may_publish = may_publish or (lambda key: True)
+        self._moves = TierMoves(
+            entries=self._entries,
+            base_used=self._base_used,
+            lock=self._lock,
+            clock=self._clock,
+            pool=pool,
+            sealer=sealer,
+            stores=self._stores,
+            budgets=budgets,
+            events=self._events,
+        )
         self._shared = SharedTier(store=shared, sealer=sealer, pool=pool, local_disk=disk) if shared else None
         restore_from = {**self._stores, Tier.REDIS: shared} if shared else self._stores
         self._restorer = Restorer(
@@ -126,11 +138,18 @@ class TierManager(TierMoves):
             settle_s=write_back_settle_s,
             max_defer_s=write_back_max_defer_s,
         )
-        self._reserved_device_bytes = 0
         # Publishes of one session run one at a time, each re-checking under its lock that its
         # version is still the one to publish: otherwise a slow write-back could overwrite the
         # shared copy of a newer version (a hand-over's) with its older one. Striped: bounded.
         self._publish_locks = [threading.Lock() for _ in range(PUBLISH_LOCK_STRIPES)]
+
+    @property
+    def budgets(self) -> TierBudgets:
+        return self._moves.budgets
+
+    @budgets.setter
+    def budgets(self, budgets: TierBudgets) -> None:
+        self._moves.budgets = budgets
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -171,7 +190,7 @@ class TierManager(TierMoves):
                 entry.leased = False
                 entry.last_used = next(self._clock)
                 if self._entries.get(key) is not entry:
-                    self._release_entry(entry)
+                    self._moves.release_entry(entry)
                 committed = lease.committed
             if committed and self._write_back:
                 self._writer.queue(key)
@@ -200,7 +219,7 @@ class TierManager(TierMoves):
             log.warning("discarding the %s cache of session %s: %s", tier, entry.key.name, exc)
             self._events.rejected(tier)
             with self._lock:
-                self._drop_blobs(entry, shared=tier is Tier.REDIS)
+                self._moves.drop_blobs(entry, shared=tier is Tier.REDIS)
                 entry.tier, entry.cache, entry.nbytes = None, None, 0
                 entry.version += 1  # a publish of the rejected version under way records nothing
             if tier is Tier.REDIS:
@@ -241,8 +260,8 @@ class TierManager(TierMoves):
         """Drop whatever is stored for the leased session, the shared copy included (see
         `Lease.discard`)."""
         with self._lock:
-            self._release_entry(entry)
-            self._drop_blobs(entry, shared=True)
+            self._moves.release_entry(entry)
+            self._moves.drop_blobs(entry, shared=True)
             # A publish of the discarded version under way (a hand-over the turn's claim called
             # off, or a write-back) must neither record it nor be followed by another.
             entry.version += 1
@@ -273,23 +292,6 @@ class TierManager(TierMoves):
         entry.tier, entry.cache, entry.nbytes = Tier.DEVICE, cache, cache.own_nbytes
         entry.base_key = cache.base_key
 
-    def _release_entry(self, entry: SessionEntry) -> None:
-        """Under the lock: forget an entry's device copy (base reference) and blobs."""
-        if entry.tier is Tier.DEVICE and entry.cache is not None and entry.cache.base_key:
-            self.pool.release(entry.cache.base_key)
-        self._drop_blobs(entry)
-        entry.tier, entry.cache, entry.nbytes = None, None, 0
-
-    def _drop_blobs(self, entry: SessionEntry, shared: bool = False) -> None:
-        """Under the lock: delete the entry's local blobs; with `shared`, mark its shared copy as
-        not of any version (it no longer matches the transcript; a budget drop keeps it). The
-        caller deletes that copy with `_delete_shared` after letting go of the lock."""
-        for store in self._stores.values():
-            store.delete(entry.key)
-        entry.persisted_version = None
-        if shared:
-            entry.shared_version = None
-
     def _delete_shared(self, key: CacheKey) -> None:
         """Delete the shared copy, outside the tier lock (Redis may take its timeout to answer,
         and other sessions' turns must not wait for it) and after any publish of the session
@@ -297,6 +299,44 @@ class TierManager(TierMoves):
         if self._shared is not None:
             with self._publishing(key):
                 self._shared.delete(key)
+
+    # -- budgets: `TierMoves` enforces them --------------------------------------------------------
+
+    def usage(self) -> TierUsage:
+        """Bytes and sessions per tier against the budgets, and the device bytes reserved."""
+        return self._moves.usage()
+
+    def enforce_budgets(self) -> None:
+        """Move least-recently-used idle caches down until every tier is within budget."""
+        self._moves.enforce_budgets()
+
+    def reserve_device_bytes(self, nbytes: int, *, force: bool) -> bool:
+        """See `TierMoves.reserve_device_bytes`.
+
+        Raises:
+            ValueError: if `nbytes` is negative.
+            SealFailed, OSError: from moving a cache down; nothing is reserved then.
+        """
+        return self._moves.reserve_device_bytes(nbytes, force=force)
+
+    def release_device_bytes(self, nbytes: int) -> None:
+        """Give back a reservation of `reserve_device_bytes` (the request finished or was
+        cancelled), waking a write-back that waits for device room."""
+        with self._lock:
+            self._moves.release_device_bytes(nbytes)
+            self._writer.wake()
+
+    def wait_for_leases(self, timeout_s: float) -> bool:
+        """Wait until no session is leased (every turn let go), at most `timeout_s` seconds.
+        Returns whether none is."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if not any(entry.leased for entry in self._entries.values()):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
     # -- explicit moves ------------------------------------------------------------------------
 
@@ -355,7 +395,7 @@ class TierManager(TierMoves):
             if target is not None and order.index(target) < order.index(entry.tier):
                 raise ValueError(f"cannot evict from {entry.tier} up to {target}; restore happens on the next turn")
             while entry.tier is not None and entry.tier != target:
-                self._move_down(entry, drop=target is None, skip_host=target is not Tier.HOST)
+                self._moves.move_down(entry, drop=target is None, skip_host=target is not Tier.HOST)
             self.enforce_budgets()
             return entry.tier
 
@@ -371,7 +411,7 @@ class TierManager(TierMoves):
         entry = self._entries.pop(key, None)
         self._writer.cancel(key)
         if entry is not None and not entry.leased:
-            self._release_entry(entry)
+            self._moves.release_entry(entry)
         elif entry is None:
             for store in self._stores.values():
                 store.delete(key)
@@ -391,7 +431,7 @@ class TierManager(TierMoves):
             self._entries.pop(key, None)
             self._writer.cancel(key)
             if entry is not None:
-                self._release_entry(entry)
+                self._moves.release_entry(entry)
             else:
                 for store in self._stores.values():
                     store.delete(key)
@@ -449,7 +489,8 @@ class TierManager(TierMoves):
                     if key.tenant_id == tenant_id:
                         store.delete(key)
                         log.debug("removed %s blob %s", tier, key.name)
-            self._base_used = {k: v for k, v in self._base_used.items() if k.tenant_id != tenant_id}
+            for key in [k for k in self._base_used if k.tenant_id == tenant_id]:
+                del self._base_used[key]  # in place: `TierMoves` holds the same dict
             self.pool.drop_tenant(tenant_id)
         if self._shared is not None:  # Redis outside the tier lock, as in `_delete_shared`
             for key in forgotten:
@@ -476,7 +517,7 @@ class TierManager(TierMoves):
             if due is None:
                 return
             entry, cache, version = due
-        blob = self._seal_or_none(key, cache, pause=pause)
+        blob = self._moves.seal_or_none(key, cache, pause=pause)
         if blob is None:
             return  # eviction drops it too: nothing can be stored for this tenant now
         with self._lock:
@@ -491,9 +532,9 @@ class TierManager(TierMoves):
             if entry.version == version:
                 entry.persisted_version = version
             if cache.base_key is not None:
-                self._persist_base(key.tenant_id, cache.base_key)
+                self._moves.persist_base(key.tenant_id, cache.base_key)
             # Write-back adds disk bytes between turns; keep the disk tier within its budget too.
-            self._enforce_disk_budget()
+            self._moves.enforce_disk_budget()
         if self._shared is None:
             return
         with self._publishing(key):
@@ -517,18 +558,18 @@ class TierManager(TierMoves):
                 if entry.leased or entry.tier is None:
                     continue
                 if entry.tier is Tier.HOST:
-                    self._move_down(entry, drop=False)
+                    self._moves.move_down(entry, drop=False)
                 elif entry.tier is Tier.DEVICE and entry.persisted_version != entry.version:
                     if entry.cache is None:
                         raise RuntimeError("bug: a device entry without its cache")
-                    blob = self._seal_or_none(entry.key, entry.cache)
+                    blob = self._moves.seal_or_none(entry.key, entry.cache)
                     if blob is None:
                         continue
                     self._stores[Tier.DISK].put(entry.key, blob)
                     if entry.cache.base_key is not None:
-                        self._persist_base(entry.key.tenant_id, entry.cache.base_key)
+                        self._moves.persist_base(entry.key.tenant_id, entry.cache.base_key)
                     entry.persisted_version = entry.version
-            self._enforce_disk_budget()
+            self._moves.enforce_disk_budget()
 
     def close(self) -> None:
         """Stop the write-back (queued jobs still run, without yielding). Call `persist_all` first

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cache.errors import CacheError
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.session_cache import BaseLayer, SessionCache
 
@@ -61,25 +62,25 @@ class CacheKey:
         return None if self.is_base else SessionId(self.name)
 
 
-class BlobRejected(Exception):
+class BlobRejected(CacheError):
     """A stored blob failed authentication or decoding (tampered, truncated, moved to another
     session or tenant, another model fingerprint, wrong key). It must not be used; rebuild."""
 
 
-class BlobMissing(Exception):
+class BlobMissing(CacheError):
     """A `BlobStore` holds no blob for the key (never stored, dropped, or its file deleted behind
     the store). Declared here, not in `storage/`, because `cache/` and `storage/` do not import each
     other: `sessions/offload.py` adapts the storage stores' own `BlobNotFound` to it. A named
     exception instead of `KeyError`, so a `KeyError` from a bug is not mistaken for an absent blob."""
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(CacheError):
     """A shared `BlobStore` cannot be reached (Redis down or timing out). Only `put` raises it: a
     read from an unreachable store is `BlobMissing` (the turn rebuilds), and a delete is retried by
     the store's TTL. The cache stays in this process's tiers."""
 
 
-class SealFailed(Exception):
+class SealFailed(CacheError):
     """A cache cannot be sealed for its key: the tenant's data key is unavailable (the tenant was
     deleted, or the master key does not unwrap its key). The cache is dropped instead of stored;
     the transcript rebuilds it."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cache.errors import CacheError
 from cache.rope import RopeLayout, rotate_keys
 from cache.session_cache import LayerSpan, SessionCache, span_offsets
 
@@ -28,7 +29,7 @@ MIN_TURN_TOKENS = 64
 Pins (and system prompts) that would take it are refused, so a session never becomes unusable."""
 
 
-class ContextOverflow(Exception):
+class ContextOverflow(CacheError):
     """Even with every unpinned turn demoted, the turn does not fit the window."""
 
     def __init__(self, needed_tokens: int, budget_tokens: int) -> None:

@@ -62,6 +62,7 @@ from sessions.validation import check_text, valid_id
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, upgrade
+from storage.errors import SessionGone
 from storage.history_digest import history_digest
 from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import TenantKeys, load_master_key
@@ -520,7 +521,7 @@ class SessionManager(SessionOps):
                 returned_texts=(message, reply.text),
                 owner=owner,
             )
-        except KeyError:
+        except SessionGone:
             raise SessionNotFound(session_id) from None
         except OwnershipLost:
             raise SessionMoved(

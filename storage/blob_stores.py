@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from storage.atomic_files import TEMP_PREFIX, write_atomic
+from storage.errors import StorageError
 from storage.metadata_store import MetadataStore
 
 log = logging.getLogger(__name__)
@@ -41,17 +42,13 @@ class KeyLike(Protocol, Hashable):
 K = TypeVar("K", bound=KeyLike)
 
 
-class BlobNotFound(KeyError):
+class BlobNotFound(StorageError):
     """The store holds no blob for the key (never stored, deleted, or its file removed behind the
-    store). Catch it by this name: a bare `KeyError` may be a bug. It subclasses `KeyError` only so
-    callers written when `get` raised `KeyError` keep working."""
+    store). Not a `KeyError`, so a `KeyError` from a bug is never mistaken for an absent blob."""
 
     def __init__(self, tenant_id: str, name: str) -> None:
-        super().__init__(f"{tenant_id}/{name}")
+        super().__init__(f"no blob {tenant_id}/{name}")
         self.tenant_id, self.name = tenant_id, name
-
-    def __str__(self) -> str:
-        return f"no blob {self.tenant_id}/{self.name}"  # KeyError's own str() would quote the key
 
 
 def _check_name(part: str) -> str:

@@ -16,10 +16,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from storage.errors import StorageError
+
 METADATA_KEY = "chatkv"
 
 
-class CodecError(ValueError):
+class CodecError(StorageError):
     """The bytes are not a chatkv safetensors payload."""
 
 

@@ -7,11 +7,12 @@ PostgreSQL works unchanged; other databases are refused.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -89,6 +90,20 @@ def secure_erase_freed_pages(engine: Engine) -> None:
         return
     with engine.connect() as connection:
         connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def database_url_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    """The database URL that plain `alembic` (run from a shell in the repository) migrates:
+    `CHATKV_DATABASE_URL`, else SQLite at `chatkv.db` in the chatkv home (`CHATKV_HOME`, else the
+    per-user data directory). The same URL `sessions.settings.Settings` resolves from the same
+    environment; it is spelled out here because `storage/` does not import `sessions/`, and a
+    test keeps the two in step."""
+    url = environ.get("CHATKV_DATABASE_URL")
+    if url:
+        return url
+    home = environ.get("CHATKV_HOME")
+    home_path = Path(home) if home else Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+    return f"sqlite:///{home_path.expanduser() / 'chatkv.db'}"
 
 
 def alembic_config(url: str) -> Config:

@@ -27,10 +27,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.errors import StorageError
+
 LOCK_FILE = "server.lock"
 
 
-class HomeLockedError(Exception):
+class HomeLockedError(StorageError):
     """Another live process holds the home. `holder` names it in words (`describe_owner`),
     `recovery` says what to do if it is not a chatkv process; the callers add their own advice."""
 

@@ -26,6 +26,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from storage.atomic_files import write_atomic
+from storage.errors import StorageError
 from storage.metadata_store import MetadataStore
 
 KEY_BYTES = 32
@@ -35,7 +36,7 @@ MASTER_KEY_FILE = "master.key"
 NEXT_KEY_SUFFIX = ".next"
 
 
-class KeyRingError(Exception):
+class KeyRingError(StorageError):
     """Base class of key-ring failures."""
 
 
@@ -47,8 +48,12 @@ class NoDataKey(KeyRingError):
     """The tenant has no data key (deleted: its blobs are unreadable by design)."""
 
 
-class BadMasterKey(ValueError):
-    """A master key that is not base64 of 32 bytes, or that does not unwrap the stored keys."""
+class BadMasterKey(KeyRingError, ValueError):
+    """A master key that is not base64 of 32 bytes, or that does not unwrap the stored keys.
+
+    Also a `ValueError`: it is a setting that cannot work (`CHATKV_MASTER_KEY`), and callers that
+    turn a `SessionManager`'s bad settings into one message (`app/cli_home.load_manager`) catch it
+    as one."""
 
 
 def key_id(master_key: bytes) -> str:

@@ -16,7 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from storage.database import Repository
-from storage.errors import AlreadyExists
+from storage.errors import AlreadyExists, SessionGone
 from storage.history_digest import extend_digest, history_digest
 from storage.replica_store import OwnerToken, check_owner
 from storage.schema import CacheBlobRow, MessageRow, SessionRow, TenantRow, utcnow
@@ -333,8 +333,11 @@ class MetadataStore(Repository):
         With `owner` (replicas sharing the database), the turn is stored only while that lease
         still holds the session (`storage.replica_store.check_owner`).
 
-        Returns the index of the first appended message. Raises `KeyError` if the session does not
-        exist for this tenant (deleted while the turn ran), `OwnershipLost` if `owner` lost it.
+        Returns the index of the first appended message.
+
+        Raises:
+            SessionGone: if the session does not exist for this tenant (deleted while the turn ran).
+            OwnershipLost: if `owner` lost the session's lease.
         """
         turns = [returned_texts] if returned_texts is not None else _turn_texts(messages)
         now = utcnow()
@@ -357,7 +360,7 @@ class MetadataStore(Repository):
                     .values(**values)
                 )
                 if not getattr(updated, "rowcount", 0):
-                    raise KeyError(session_id)
+                    raise SessionGone(session_id)
                 # The row is locked by the update above: the digest read here is the latest one.
                 digest = db.scalar(select(SessionRow.history_digest).where(SessionRow.id == session_id))
                 if digest is not None:
@@ -391,7 +394,7 @@ class MetadataStore(Repository):
                 db.flush()
                 return start
         except IntegrityError as exc:  # the session was deleted between the update and the insert
-            raise KeyError(session_id) from exc
+            raise SessionGone(session_id) from exc
 
     def set_pinned_turns(self, *, tenant_id: str, session_id: str, pinned_turns: Sequence[int]) -> None:
         with self._unit() as db:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from storage.database import Repository
-from storage.errors import StorageError
+from storage.errors import SessionGone, StorageError
 from storage.schema import ReplicaRow, SessionOwnerRow, SessionRow
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,6 @@ _CAS_ATTEMPTS = 8
 class OwnershipLost(StorageError):
     """The replica no longer holds the session's lease (it expired and another replica took the
     session over): the turn it was running must not be stored."""
-
-
-class SessionGone(StorageError):
-    """The session does not exist (for this tenant)."""
 
 
 class IncarnationReplaced(StorageError):

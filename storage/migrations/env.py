@@ -1,4 +1,9 @@
-"""Alembic environment: models and URL from chatkv, so autogenerate compares against the models."""
+"""Alembic environment: models and URL from chatkv, so autogenerate compares against the models.
+
+The URL is the Alembic config's `sqlalchemy.url` (`storage.database.upgrade` sets it, and hands
+over its connection); plain `alembic` from a shell falls back to the environment
+(`storage.database.database_url_from_env`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from storage.database import make_engine
+from storage.database import database_url_from_env, make_engine
 from storage.schema import Base
 
 config = context.config
@@ -20,9 +25,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from sessions.settings import Settings  # only when run as plain `alembic` from a shell
-
-    return Settings.from_env().resolved_database_url
+    return database_url_from_env()  # only when run as plain `alembic` from a shell
 
 
 def run_migrations_offline() -> None:

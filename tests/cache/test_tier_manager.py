@@ -18,7 +18,7 @@ from cache.ids import PrefixKey, SessionId, TenantId
 from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
 from cache.tier_manager import LeaseHeld, TierManager
-from cache.tiers import CacheKey, Tier
+from cache.tiers import CacheKey, CacheSealer, Tier
 from sessions.offload import EncryptedCacheSealer, TierBlobStore
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, upgrade
@@ -110,6 +110,7 @@ def make_rig(tmp_path: Path) -> Iterator:
         write_back: bool = False,
         fingerprint: str = "fp-a",
         disk_type: type[DiskBlobStore[CacheKey]] = DiskBlobStore,
+        wrap_sealer: Callable[[CacheSealer], CacheSealer] = lambda sealer: sealer,
         **options: float,
     ) -> Rig:
         disk: DiskBlobStore[CacheKey] = disk_type(
@@ -126,7 +127,7 @@ def make_rig(tmp_path: Path) -> Iterator:
         ring = TenantKeys(metadata, master)
         tiers = TierManager(
             pool=PrefixPool(),
-            sealer=EncryptedCacheSealer(ring, fingerprint, torch.device("cpu")),
+            sealer=wrap_sealer(EncryptedCacheSealer(ring, fingerprint, torch.device("cpu"))),
             host=TierBlobStore(host),
             disk=TierBlobStore(disk),
             budgets=limits or budgets(),
@@ -694,12 +695,15 @@ def test_write_back_goes_ahead_after_its_deferral_limit(make_rig) -> None:
 
 
 class GatedSealer:
-    """Wraps a sealer: at its pause point, signals `paused` and waits for `go` before pausing."""
+    """Wraps a sealer (`wrap`): at its pause point, signals `paused` and waits for `go` before pausing."""
 
-    def __init__(self, inner: EncryptedCacheSealer) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.paused = threading.Event()
         self.go = threading.Event()
+
+    def wrap(self, inner: CacheSealer) -> CacheSealer:
+        self.inner = inner
+        return self
 
     def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
         def gate() -> None:
@@ -715,9 +719,8 @@ class GatedSealer:
 
 
 def test_a_write_back_pauses_between_its_steps_when_a_turn_starts(make_rig) -> None:
-    rig = make_rig(write_back=True, write_back_max_defer_s=60.0)
-    gated = GatedSealer(rig.tiers._sealer)
-    rig.tiers._sealer = gated
+    gated = GatedSealer()
+    rig = make_rig(write_back=True, write_back_max_defer_s=60.0, wrap_sealer=gated.wrap)
     keys = [session_key(A, n) for n in range(2)]
     add_rows(rig, *keys)
     turn(rig.tiers, keys[0], make_cache(0))

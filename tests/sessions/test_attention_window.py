@@ -119,7 +119,7 @@ def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(
         reserved.clear()
         assert manager.chat(tenant, sid, MESSAGES[8], max_new_tokens=8).stats.restored_from == "rebuilt"
         assert len(reserved) == 2  # the kept past's prefill, then the scoring copy
-        assert manager.tiers._reserved_device_bytes == 0  # every reservation was given back
+        assert manager.tiers.usage().reserved_device_bytes == 0  # every reservation was given back
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

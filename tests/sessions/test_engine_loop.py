@@ -363,17 +363,17 @@ def test_a_failed_eviction_at_admission_releases_its_reservation(tmp_path: Path,
         tenant = manager.create_tenant("acme")
         first, second = manager.open_session(tenant), manager.open_session(tenant)
         manager.chat(tenant, first, "hello there", max_new_tokens=8)  # idle on the device now
-        evict = manager.tiers._evict_one_from_device
+        evict = manager.tiers._moves._evict_one_from_device
 
         def full_disk(tenant_id: object) -> int | None:
             raise OSError(28, "No space left on device")
 
-        manager.tiers._evict_one_from_device = full_disk  # type: ignore[method-assign,assignment]
+        manager.tiers._moves._evict_one_from_device = full_disk  # type: ignore[method-assign,assignment]
         try:
             with pytest.raises(OSError):
                 manager.chat(tenant, second, "and you", max_new_tokens=30)
         finally:
-            manager.tiers._evict_one_from_device = evict  # type: ignore[method-assign]
+            manager.tiers._moves._evict_one_from_device = evict  # type: ignore[method-assign]
         assert manager.tiers.usage().reserved_device_bytes == 0
         assert manager.history(tenant, second) == []
         reply = manager.chat(tenant, second, "and you", max_new_tokens=30)  # the loop still serves

@@ -16,6 +16,7 @@ import pytest
 
 from storage.atomic_files import TEMP_PREFIX, write_atomic
 from storage.blob_stores import BlobNotFound, DiskBlobStore, HostBlobStore
+from storage.errors import StorageError
 from storage.metadata_store import MetadataStore
 from tests.conftest import REPO
 from tests.storage.conftest import BASE, OTHER, S1, S2, Key, add_session
@@ -44,7 +45,7 @@ def test_host_store_keeps_bytes_by_key() -> None:
     store.delete(S1)
     store.delete(S1)
     assert not store.contains(S1)
-    with pytest.raises(KeyError):
+    with pytest.raises(BlobNotFound):
         store.get(S1)
 
 
@@ -54,7 +55,7 @@ def test_both_stores_report_an_absent_blob_as_blob_not_found(tmp_path: Path, row
         with pytest.raises(BlobNotFound) as raised:
             store.get(S1)
         assert (raised.value.tenant_id, raised.value.name, str(raised.value)) == ("tn_a", "s_1", "no blob tn_a/s_1")
-        assert isinstance(raised.value, KeyError)  # callers written against plain `KeyError` still work
+        assert isinstance(raised.value, StorageError) and not isinstance(raised.value, KeyError)
 
 
 # -- disk ------------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ def test_disk_store_writes_files_and_rows(tmp_path: Path, rows: MetadataStore) -
     store.delete(S1)
     assert not store.contains(S1) and files_under(root) == {"tn_a/base-0123abcd.ckv"}
     assert [r.name for r in rows.list_blobs()] == ["base-0123abcd"]
-    with pytest.raises(KeyError):
+    with pytest.raises(BlobNotFound):
         store.get(S1)
 
 
@@ -86,7 +87,7 @@ def test_a_file_deleted_behind_the_store_reads_as_absent(tmp_path: Path, rows: M
     store = disk_store(tmp_path / "blobs", rows)
     store.put(S1, b"data")
     (tmp_path / "blobs" / "tn_a" / "s_1.ckv").unlink()
-    with pytest.raises(KeyError):
+    with pytest.raises(BlobNotFound):
         store.get(S1)
     assert not store.contains(S1)
 
@@ -141,7 +142,7 @@ def test_reconcile_never_touches_a_file_a_row_points_outside_the_folder(tmp_path
     assert store.reconcile() == []
     assert outside.read_bytes() == b"not ours"
     assert rows.list_blobs() == []
-    with pytest.raises(KeyError):
+    with pytest.raises(BlobNotFound):
         store.get(S1)
 
 

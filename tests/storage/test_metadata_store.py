@@ -15,7 +15,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
 
 from storage.database import alembic_config, current_revision, head_revision, make_engine, upgrade
-from storage.errors import AlreadyExists
+from storage.errors import AlreadyExists, SessionGone
 from storage.metadata_store import MetadataStore
 from storage.schema import Base
 from tests.storage.conftest import add_session
@@ -113,7 +113,7 @@ def test_a_session_of_another_tenant_is_not_found(metadata: MetadataStore) -> No
     assert metadata.get_session(tenant_id="tn_b", session_id="s_1") is None
     assert metadata.messages(tenant_id="tn_b", session_id="s_1") is None
     assert metadata.delete_session(tenant_id="tn_b", session_id="s_1") is False
-    with pytest.raises(KeyError):
+    with pytest.raises(SessionGone):
         metadata.record_turn(
             tenant_id="tn_b",
             session_id="s_1",
