@@ -1,1 +1,2 @@
-"""The faces of chatkv: admin CLI, Gradio UI, admin HTTP API and metrics routes."""
+"""The faces of chatkv: admin CLI (`app.cli`), Gradio UI (`app.ui`), admin HTTP API and metrics routes
+(`app.http`)."""

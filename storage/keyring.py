@@ -52,7 +52,7 @@ class BadMasterKey(KeyRingError, ValueError):
     """A master key that is not base64 of 32 bytes, or that does not unwrap the stored keys.
 
     Also a `ValueError`: it is a setting that cannot work (`CHATKV_MASTER_KEY`), and callers that
-    turn a `SessionManager`'s bad settings into one message (`app/cli_home.load_manager`) catch it
+    turn a `SessionManager`'s bad settings into one message (`app/cli/home.load_manager`) catch it
     as one."""
 
 

@@ -10,9 +10,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app.admin_api import admin_router
-from app.admin_client import AdminClient, AdminRequestFailed
 from app.admin_ops import AdminOps
+from app.cli.admin_client import AdminClient, AdminRequestFailed
+from app.http.admin_api import admin_router
 from sessions.manager import SessionManager
 from tests.conftest import MASTER_KEY
 
@@ -40,7 +40,7 @@ ROUTES = [
 @pytest.fixture
 def client(tiny_manager: SessionManager) -> Iterator[TestClient]:
     app = FastAPI()
-    app.include_router(admin_router(tiny_manager, TOKEN), prefix="/admin")  # as `app.server.build_app` does
+    app.include_router(admin_router(tiny_manager, TOKEN), prefix="/admin")  # as `app.http.server.build_app` does
     with TestClient(app, headers=AUTH) as client:
         yield client
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
-from app.body_limits import DEFAULT_BODY_LIMITS
-from app.server import build_app
+from app.http.body_limits import DEFAULT_BODY_LIMITS
+from app.http.server import build_app
 from sessions.cancellation import CancelToken
 from sessions.engine import Engine
 from sessions.manager import SessionManager
@@ -318,7 +318,7 @@ def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(runner, "_prepare_rebuild", slow_prepare)
-    monkeypatch.setattr("app.openai_api.CancelToken", _RecordedTokens)
+    monkeypatch.setattr("app.http.openai_api.CancelToken", _RecordedTokens)
     _RecordedTokens.made.clear()
     before, steps = server.stored(), server.manager.engine.loop.stats().steps
 

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from app.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
-from app.server import build_app
+from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
+from app.http.server import build_app
 from sessions.manager import SessionManager
 
 TOKEN = "test-admin-token"

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.server import build_app
+from app.http.server import build_app
 from cache.tiers import CacheKey
 from sessions.engine import Engine
 from sessions.manager import SessionManager

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from fastapi.testclient import TestClient
 
-from app.server import build_app
+from app.http.server import build_app
 from app.ui import (
     EMPTY_KEY_MESSAGE,
     LABEL_CHARS,
@@ -21,8 +21,8 @@ from app.ui import (
     View,
     ViewState,
 )
-from app.ui_render import error_html, note_html
-from app.ui_sessions import ago
+from app.ui.render import error_html, note_html
+from app.ui.sessions import ago
 from sessions.manager import SessionManager
 
 UNKNOWN_KEY_HTML = error_html(UNKNOWN_KEY_MESSAGE)
@@ -156,7 +156,7 @@ def test_selecting_a_session_shows_its_history(tiny_manager: SessionManager) -> 
 
 
 def test_selecting_an_offloaded_session_prefetches_its_cache(tiny_manager: SessionManager) -> None:
-    from app.prefetch import Prefetcher
+    from app.http.prefetch import Prefetcher
 
     prefetcher = Prefetcher(tiny_manager)
     ui = ChatUI(tiny_manager, local=True, prefetcher=prefetcher)

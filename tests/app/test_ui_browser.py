@@ -45,7 +45,7 @@ CHROMIUM_ARGS = [
 START_TIMEOUT_S = 120.0
 TURN_TIMEOUT_MS = 60_000
 SERVE = (
-    "from sessions import SessionManager; from app.server import serve; "
+    "from sessions import SessionManager; from app.http.server import serve; "
     "serve(SessionManager(), port={port}, local={local})"
 )
 

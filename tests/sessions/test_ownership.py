@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from app.api_errors import OWNER_URL_HEADER, response_for
+from app.http.api_errors import OWNER_URL_HEADER, response_for
 from cache.tiers import CacheKey
 from sessions.errors import ReplicaRetired, SessionBusy, SessionNotFound, SessionOwnedElsewhere
 from sessions.ownership import SessionOwnership

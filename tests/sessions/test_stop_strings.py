@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.api_turns import TurnParams, continue_history
+from app.http.api_turns import TurnParams, continue_history
 from sessions.chat_template import PastTurn
 from sessions.engine import Engine, Request
 from sessions.errors import InvalidInput

@@ -6,7 +6,7 @@ of it is received (uvicorn buffers at most 64 KiB of a body the app has not aske
 without a length (chunked) is counted as it arrives and refused at the first byte over. The check
 happens at that first read rather than on arrival so that a route which refuses a request first
 still does: the admin API answers a request without its token 401 without reading its body
-(`app.admin_api`).
+(`app.http.admin_api`).
 
 The refusal is raised from `receive` as a Starlette `HTTPException`, which FastAPI's body parsing
 passes on unchanged, so each app answers it in its own error shape (`{"error": ...}` under

@@ -34,7 +34,7 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from app.api_errors import ApiError
+from app.http.api_errors import ApiError
 from sessions.cancellation import CancelToken
 from sessions.errors import ChatKVError, InvalidInput, SessionBusy, SessionNotFound
 from sessions.idempotency import Claimed, InProgress, KeyReused, Replay

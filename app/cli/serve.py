@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from app.cli_groups import CLIError, held_by_server
-from app.cli_home import domain_errors, home_dir, load_manager, settings_for
+from app.cli.groups import CLIError, held_by_server
+from app.cli.home import domain_errors, home_dir, load_manager, settings_for
 from storage.home_lock import HomeLockedError, check_unlocked
 
 
@@ -26,7 +26,7 @@ def serve_command(
     Runs until Ctrl-C or SIGTERM (exit code 0): turns in flight complete, caches are persisted so the
     next start resumes warm, and the home's lock is released.
     """
-    from app.server import ListenError, bind_sockets, serve
+    from app.http.server import ListenError, bind_sockets, serve
 
     try:
         check_unlocked(home_dir(ctx.obj))  # before a manager touches stores that a live server owns

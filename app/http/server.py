@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from app.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
+from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
 from storage.atomic_files import write_atomic
 
 if TYPE_CHECKING:
@@ -87,15 +87,15 @@ def build_app(
     Args:
         local: single-tenant local mode (no API key asked; the UI uses the `local` tenant).
         token: the admin token the `/admin/` routes require (`/v1/` takes tenants' API keys).
-        body_limits: the largest request body per path (413 above it; see `app.body_limits`).
+        body_limits: the largest request body per path (413 above it; see `app.http.body_limits`).
     """
     import gradio as gr
 
-    from app.admin_api import admin_router
-    from app.api_auth import TenantLimiter, api_route_class
-    from app.openai_api import openai_router
-    from app.prefetch import Prefetcher
-    from app.session_api import session_router
+    from app.http.admin_api import admin_router
+    from app.http.api_auth import TenantLimiter, api_route_class
+    from app.http.openai_api import openai_router
+    from app.http.prefetch import Prefetcher
+    from app.http.session_api import session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
     app = FastAPI(

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from app.cli_groups import CLIError, CommandGroup
-from app.cli_home import domain_errors, home_dir, settings_for
+from app.cli.groups import CLIError, CommandGroup
+from app.cli.home import domain_errors, home_dir, settings_for
 from storage.home_lock import check_unlocked
 
 if TYPE_CHECKING:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from app.cli_groups import CommandGroup
-from app.cli_home import open_admin
-from app.cli_options import JsonOption, ServerOption, YesOption
-from app.cli_output import confirm, count, print_data, print_pairs, print_table, when
+from app.cli.groups import CommandGroup
+from app.cli.home import open_admin
+from app.cli.options import JsonOption, ServerOption, YesOption
+from app.cli.output import confirm, count, print_data, print_pairs, print_table, when
 
 tenants_app = typer.Typer(
     cls=CommandGroup, no_args_is_help=True, help="Create, list, show, delete tenants; rotate their API keys."

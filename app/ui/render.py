@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from app.ui_view import Shown, StatsRow
+from app.ui.view import Shown, StatsRow
 from sessions.records import Reply, SessionInfo, TurnStats
 
 STATS_HEADERS = [

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from app.cli_home import open_admin
-from app.cli_options import JsonOption, ServerOption
-from app.cli_output import count, duration_text, print_data, print_pairs, print_table, when
+from app.cli.home import open_admin
+from app.cli.options import JsonOption, ServerOption
+from app.cli.output import count, duration_text, print_data, print_pairs, print_table, when
 
 if TYPE_CHECKING:
     from app.admin_ops import Json

@@ -21,8 +21,8 @@ The event handlers are methods of `ChatUI` and return a `View` (one field per ou
 tests call them directly without a browser.
 
 Where things live: this module builds the page (`build_ui`) and holds what the server mounts it
-with; the handlers are `app.ui_handlers.ChatUI`, a turn's worker thread is `app.ui_turns`, the
-picker's labels `app.ui_sessions`, the view values `app.ui_view` and their HTML `app.ui_render`.
+with; the handlers are `app.ui.handlers.ChatUI`, a turn's worker thread is `app.ui.turns`, the
+picker's labels `app.ui.sessions`, the view values `app.ui.view` and their HTML `app.ui.render`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app.ui_handlers import (
+from app.ui.handlers import (
     EMPTY_KEY_MESSAGE,
     LOCAL_TENANT,
     STOPPED_NOTE,
@@ -39,9 +39,9 @@ from app.ui_handlers import (
     ChatUI,
     local_tenant,
 )
-from app.ui_render import STATS_HEADERS, STATS_TABLE_LABEL
-from app.ui_sessions import LABEL_CHARS
-from app.ui_view import REMEMBERED_KEY, View, ViewState
+from app.ui.render import STATS_HEADERS, STATS_TABLE_LABEL
+from app.ui.sessions import LABEL_CHARS
+from app.ui.view import REMEMBERED_KEY, View, ViewState
 
 if TYPE_CHECKING:
     from sessions.manager import SessionManager

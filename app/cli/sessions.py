@@ -1,6 +1,6 @@
 """`chatkv sessions ...`: list, inspect (`show`), evict, restore, delete and export sessions.
 
-Each command asks `app.admin_ops` (directly or through a server's admin API, see `app.cli_home`)
+Each command asks `app.admin_ops` (directly or through a server's admin API, see `app.cli.home`)
 and renders its JSON answer here; what a command shows beyond that answer belongs in the
 `_render_*` function beside it.
 """
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from app.cli_groups import CLIError, CommandGroup
-from app.cli_home import open_admin
-from app.cli_options import JsonOption, ServerOption, TenantOption, YesOption
-from app.cli_output import confirm, count, print_data, print_pairs, print_table, when
+from app.cli.groups import CLIError, CommandGroup
+from app.cli.home import open_admin
+from app.cli.options import JsonOption, ServerOption, TenantOption, YesOption
+from app.cli.output import confirm, count, print_data, print_pairs, print_table, when
 
 if TYPE_CHECKING:
     from app.admin_ops import Json

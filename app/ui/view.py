@@ -1,6 +1,6 @@
 """What the chat page shows, as values: `ViewState` (what one browser tab holds) and `View` (one
 value per output component of `app.ui.build_ui`), with the small `gr.update` helpers the event
-handlers (`app.ui_handlers`) build views from."""
+handlers (`app.ui.handlers`) build views from."""
 
 from __future__ import annotations
 

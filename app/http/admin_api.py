@@ -31,8 +31,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from app.admin_ops import AdminOps, Json
-from app.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_outage
-from app.body_limits import require_utf8_body
+from app.http.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_outage
+from app.http.body_limits import require_utf8_body
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible face: `POST /v1/chat/completions` and `GET /v1/models`.
 
 Stock OpenAI clients work unchanged (`base_url=<server>/v1`, `api_key=<tenant API key>`). A
-request continues a server-side session, found one of two ways (`app.api_turns`):
+request continues a server-side session, found one of two ways (`app.http.api_turns`):
 
 - **explicit**: `X-Session-ID: <id>` (or a `session_id` field): `messages` holds only the new user
   message, after an optional system message that must be the session's;
@@ -24,7 +24,7 @@ Limits: at most 2,048 `messages` (OpenAI's; 400 `array_above_max_length`), and a
 at most 8 times the model's context in tokens (413 `context_length_exceeded`, counted before any
 of it is stored or rendered; `SessionManager.open_session`). A client that disconnects before its
 answer is complete cancels the turn, streamed or not; with an `Idempotency-Key` header a retry of
-a completed request gets its recorded answer (`app.api_turns`).
+a completed request gets its recorded answer (`app.http.api_turns`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api_auth import bearer_scheme, tenant_of
-from app.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
-from app.api_turns import (
+from app.http.api_auth import bearer_scheme, tenant_of
+from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
+from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     IdempotencyGuard,
@@ -55,7 +55,7 @@ from app.api_turns import (
     start_turn,
     usage,
 )
-from app.sse import DONE, EventStream, event
+from app.http.sse import DONE, EventStream, event
 from sessions.cancellation import CancelToken
 from sessions.errors import ChatKVError, InvalidInput
 from sessions.manager import MAX_MESSAGE_CHARS, SessionManager

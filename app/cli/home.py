@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from app.admin_client import AdminClient
-from app.cli_groups import CLIError
+from app.cli.admin_client import AdminClient
+from app.cli.groups import CLIError
 from storage.home_lock import check_unlocked
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # `sessions`, `cache` and `app.admin_ops` import torch and transformers (seconds): they are imported
 # where a command works on a home, so `--server` commands start as fast as an HTTP client.
 
-ADMIN_TOKEN_FILE = "admin.token"  # written by `app.server.admin_token` on the server's first start
+ADMIN_TOKEN_FILE = "admin.token"  # written by `app.http.server.admin_token` on the server's first start
 
 
 @dataclass(frozen=True)

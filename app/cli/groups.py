@@ -12,7 +12,7 @@ import httpx
 import typer
 from typer.core import TyperGroup, TyperOption
 
-from app.admin_client import AdminRequestFailed
+from app.cli.admin_client import AdminRequestFailed
 from storage.home_lock import HomeLockedError
 
 

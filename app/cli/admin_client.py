@@ -1,4 +1,4 @@
-"""HTTP client of the admin API (`app.admin_api`), for `chatkv --server URL ...`.
+"""HTTP client of the admin API (`app.http.admin_api`), for `chatkv --server URL ...`.
 
 `AdminClient` has the methods of `app.admin_ops.AdminOps` with the same arguments and answers, so the
 CLI runs one code path whether it works on a home directly or through a server.

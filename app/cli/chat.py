@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from app.cli_groups import CLIError
-from app.cli_home import domain_errors, home_dir, load_manager, settings_for
-from app.cli_options import TenantOption
-from app.cli_output import count
+from app.cli.groups import CLIError
+from app.cli.home import domain_errors, home_dir, load_manager, settings_for
+from app.cli.options import TenantOption
+from app.cli.output import count
 from storage.home_lock import describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The chat page's event handlers (`ChatUI`): signing in, opening and starting sessions, and
-streaming turns. Each returns a `View` (`app.ui_view`), so tests call them without a browser; the
+streaming turns. Each returns a `View` (`app.ui.view`), so tests call them without a browser; the
 page that wires them to components is `app.ui.build_ui`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from app.ui_render import (
+from app.ui.render import (
     chat_messages,
     error_html,
     length_note,
@@ -21,9 +21,9 @@ from app.ui_render import (
     stats_html,
     stats_row,
 )
-from app.ui_sessions import SessionLabels
-from app.ui_turns import Turn, TurnThreads, slider_values
-from app.ui_view import (
+from app.ui.sessions import SessionLabels
+from app.ui.turns import Turn, TurnThreads, slider_values
+from app.ui.view import (
     View,
     ViewState,
     input_update,
@@ -37,7 +37,7 @@ from sessions.errors import ChatKVError, InvalidInput, TenantExists, TenantNotFo
 from sessions.records import Reply, Tenant
 
 if TYPE_CHECKING:
-    from app.prefetch import Prefetcher
+    from app.http.prefetch import Prefetcher
     from sessions.manager import SessionManager
 
 LOCAL_TENANT = "local"

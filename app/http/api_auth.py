@@ -3,13 +3,13 @@
 Every `/v1/` request carries `Authorization: Bearer <tenant API key>`; the tenant is always the
 key's (`SessionManager.tenant_for_api_key`), never a field of the body. The key is checked by the
 route class, before the route's handler runs, because FastAPI reads and parses a body before it
-solves a route's dependencies (as for the admin routes, `app.admin_api`): without a valid key
+solves a route's dependencies (as for the admin routes, `app.http.admin_api`): without a valid key
 nothing of the body is read. A missing and a wrong key get the same 401.
 
 Then the tenant takes one of its `max_concurrent_requests_per_tenant` slots, held until the answer
 is complete (a streamed answer's slot is released when its stream ends, also when its client goes
 away); a request over the limit is answered 429 with `Retry-After`, before its body is read.
-Errors of the handler are answered in OpenAI's shape (`app.api_errors`).
+Errors of the handler are answered in OpenAI's shape (`app.http.api_errors`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from fastapi.security import HTTPBearer
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.exceptions import HTTPException
 
-from app.api_errors import DATABASE_ERRORS, ApiError, error_response, response_for, unauthorized
-from app.body_limits import require_utf8_body
-from app.sse import EventStream
+from app.http.api_errors import DATABASE_ERRORS, ApiError, error_response, response_for, unauthorized
+from app.http.body_limits import require_utf8_body
+from app.http.sse import EventStream
 from cache.ids import TenantId
 from sessions.errors import ChatKVError, TenantNotFound
 from sessions.manager import SessionManager

@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
-from app.cli_groups import CommandGroup
-from app.cli_home import open_admin
-from app.cli_options import ServerOption
+from app.cli.groups import CommandGroup
+from app.cli.home import open_admin
+from app.cli.options import ServerOption
 
 keys_app = typer.Typer(cls=CommandGroup, no_args_is_help=True, help="Encryption keys.")
 

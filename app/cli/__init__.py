@@ -9,15 +9,15 @@ Either way they print the same answers (`app.admin_ops`); every listing takes `-
 Exit codes: 0 success; 1 the operation failed (model, I/O, a server error) or a confirmation was
 declined (`cancelled`); 2 bad input or not found. Every failure is one line on stderr.
 
-Where things live: this module is the table of contents (the root app, its global options, and
-every command and command group registered in the order `--help` lists them). Each top-level
-command or group has its own module (`app.cli_serve`, `app.cli_chat`, `app.cli_ops`,
-`app.cli_tenants`, `app.cli_sessions`, `app.cli_keys`, `app.cli_db`): a new group such as
-`chatkv replicas` gets a `cli_replicas.py` with its `typer.Typer(cls=CommandGroup)` and is added
-below; a new line in `sessions inspect` goes in `app.cli_sessions._render_inspect`. Shared parts:
-`app.cli_groups` (help formatting, one-line errors and exit codes), `app.cli_home` (reaching a
-home directly or through `--server`), `app.cli_options` (`--json`, `--server`, `--tenant`,
-`--yes`) and `app.cli_output` (tables, JSON, pairs, prompts).
+Where things live: this module is the table of contents (the root app, its global options, and every
+command and command group registered in the order `--help` lists them). Each top-level command or
+group has its own module (`app.cli.serve`, `app.cli.chat`, `app.cli.ops`, `app.cli.tenants`,
+`app.cli.sessions`, `app.cli.keys`, `app.cli.db`): a new group such as `chatkv replicas` gets an
+`app/cli/replicas.py` with its `typer.Typer(cls=CommandGroup)` and is added below; a new line in
+`sessions inspect` goes in `app.cli.sessions._render_inspect`. Shared parts: `app.cli.groups` (help
+formatting, one-line errors and exit codes), `app.cli.home` (reaching a home directly or through
+`--server`), `app.cli.options` (`--json`, `--server`, `--tenant`, `--yes`) and `app.cli.output`
+(tables, JSON, pairs, prompts).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from typing import Annotated
 
 import typer
 
-from app.cli_chat import chat_command
-from app.cli_db import db_app
-from app.cli_groups import OneLineErrorsGroup
-from app.cli_home import Target
-from app.cli_keys import keys_app
-from app.cli_ops import gc_command, stats_command
-from app.cli_replicas import replicas_command
-from app.cli_serve import serve_command
-from app.cli_sessions import sessions_app
-from app.cli_tenants import tenants_app
+from app.cli.chat import chat_command
+from app.cli.db import db_app
+from app.cli.groups import OneLineErrorsGroup
+from app.cli.home import Target
+from app.cli.keys import keys_app
+from app.cli.ops import gc_command, stats_command
+from app.cli.replicas import replicas_command
+from app.cli.serve import serve_command
+from app.cli.sessions import sessions_app
+from app.cli.tenants import tenants_app
 
 __all__ = ["app", "main"]
 

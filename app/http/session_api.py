@@ -7,7 +7,7 @@
     POST   /v1/sessions/{id}/messages        a turn: the reply with usage and stats, or SSE events
     POST   /v1/sessions/{id}/prefetch        start restoring the cache to the device now    202
 
-Same key, limits and error shape as the OpenAI routes (`app.api_auth`, `app.api_errors`); another
+Same key, limits and error shape as the OpenAI routes (`app.http.api_auth`, `app.http.api_errors`); another
 tenant's session id is a 404 exactly like a missing one. Sampling defaults to greedy here
 (`temperature` 0), chatkv's default, where the OpenAI route follows OpenAI's (1).
 """
@@ -25,9 +25,9 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api_auth import bearer_scheme, tenant_of
-from app.api_errors import DATABASE_ERRORS, response_for
-from app.api_turns import (
+from app.http.api_auth import bearer_scheme, tenant_of
+from app.http.api_errors import DATABASE_ERRORS, response_for
+from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     IdempotencyGuard,
@@ -39,9 +39,9 @@ from app.api_turns import (
     start_turn,
     usage,
 )
-from app.openai_api import SESSION_HEADER, AssistantMessage
-from app.prefetch import Prefetcher
-from app.sse import DONE, EventStream, event
+from app.http.openai_api import SESSION_HEADER, AssistantMessage
+from app.http.prefetch import Prefetcher
+from app.http.sse import DONE, EventStream, event
 from sessions.cancellation import CancelToken
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager

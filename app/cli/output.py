@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from app.cli_groups import Cancelled
+from app.cli.groups import Cancelled
 
 
 def print_data(data: Any, as_json: bool, render: Callable[[Any], None]) -> None:
