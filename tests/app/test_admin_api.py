@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.admin_api import admin_router
 from app.admin_client import AdminClient, AdminRequestFailed
-from app.admin_ops import AdminOps
+from sessions.admin import AdminOps
 from sessions.manager import SessionManager
 from tests.conftest import MASTER_KEY
 

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
 from app.admin_api import admin_router
-from app.admin_ops import AdminOps
+from sessions.admin import AdminOps
 from sessions.engine import Engine
 from sessions.errors import ChatKVError, InvalidInput, SessionNotFound, TenantNotFound
 from sessions.manager import SessionManager
