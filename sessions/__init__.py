@@ -26,8 +26,8 @@ from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant,
 from sessions.settings import Settings
 
 if TYPE_CHECKING:
+    from sessions.catalogue import SessionDetail
     from sessions.manager import SessionManager
-    from sessions.session_ops import SessionDetail
 
 
 def __getattr__(name: str) -> Any:
@@ -36,9 +36,9 @@ def __getattr__(name: str) -> Any:
 
         return manager.SessionManager
     if name == "SessionDetail":
-        from sessions import session_ops
+        from sessions import catalogue
 
-        return session_ops.SessionDetail
+        return catalogue.SessionDetail
     raise AttributeError(f"module 'sessions' has no attribute {name!r}")
 
 

@@ -4,7 +4,7 @@ Admin commands (`tenants`, `sessions`, `stats`, `keys`, `gc`) run through a serv
 `--server URL` (or `CHATKV_SERVER`) is given, before the subcommand or after it, so an eviction
 really frees the server's device; else they work on the home's database and stores directly, and
 refuse while another process (a server, or one with a `SessionManager` open) holds the home.
-Either way they print the same answers (`app.admin_ops`); every listing takes `--json`.
+Either way they print the same answers (`sessions.admin`); every listing takes `--json`.
 
 Exit codes: 0 success; 1 the operation failed (model, I/O, a server error) or a confirmation was
 declined (`cancelled`); 2 bad input or not found. Every failure is one line on stderr.

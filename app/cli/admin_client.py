@@ -1,6 +1,6 @@
 """HTTP client of the admin API (`app.http.admin_api`), for `chatkv --server URL ...`.
 
-`AdminClient` has the methods of `app.admin_ops.AdminOps` with the same arguments and answers, so the
+`AdminClient` has the methods of `sessions.admin.AdminOps` with the same arguments and answers, so the
 CLI runs one code path whether it works on a home directly or through a server.
 """
 
@@ -12,7 +12,7 @@ from urllib.parse import quote
 import httpx
 
 if TYPE_CHECKING:
-    from app.admin_ops import Json
+    from sessions.admin import Json
 
 DEFAULT_TIMEOUT_S = 120.0
 """Generous: restoring or inspecting a large cache decrypts it, and a gc may delete many sessions."""

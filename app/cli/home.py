@@ -16,11 +16,11 @@ from app.cli.groups import CLIError
 from storage.home_lock import check_unlocked
 
 if TYPE_CHECKING:
-    from app.admin_ops import AdminOps
+    from sessions.admin import AdminOps
     from sessions.manager import SessionManager
     from sessions.settings import Settings
 
-# `sessions`, `cache` and `app.admin_ops` import torch and transformers (seconds): they are imported
+# `sessions` and `cache` import torch and transformers (seconds): they are imported
 # where a command works on a home, so `--server` commands start as fast as an HTTP client.
 
 ADMIN_TOKEN_FILE = "admin.token"  # written by `app.http.server.admin_token` on the server's first start
@@ -125,7 +125,7 @@ def open_admin(ctx: typer.Context, server: str | None = None) -> Iterator[AdminO
     check_unlocked(home_dir(target))  # refuse before loading anything
     settings = settings_for(target)
     with domain_errors():
-        from app.admin_ops import AdminOps
+        from sessions.admin import AdminOps
 
         with AdminOps.open_home(settings, lambda: load_manager(settings)) as ops:
             yield ops

@@ -1,6 +1,6 @@
 """`chatkv sessions ...`: list, inspect (`show`), evict, restore, delete and export sessions.
 
-Each command asks `app.admin_ops` (directly or through a server's admin API, see `app.cli.home`)
+Each command asks `sessions.admin` (directly or through a server's admin API, see `app.cli.home`)
 and renders its JSON answer here; what a command shows beyond that answer belongs in the
 `_render_*` function beside it.
 """
@@ -17,7 +17,7 @@ from app.cli.options import JsonOption, ServerOption, TenantOption, YesOption
 from app.cli.output import confirm, count, print_data, print_pairs, print_table, when
 
 if TYPE_CHECKING:
-    from app.admin_ops import Json
+    from sessions.admin import Json
 
 TIERS = ("device", "host", "disk")
 EVICT_TARGETS = ("host", "disk", "drop")

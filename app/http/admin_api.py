@@ -30,9 +30,9 @@ from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from app.admin_ops import AdminOps, Json
 from app.http.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_outage
 from app.http.body_limits import require_utf8_body
+from sessions.admin import AdminOps, Json
 from sessions.errors import ChatKVError
 from sessions.manager import SessionManager
 

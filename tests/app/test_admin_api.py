@@ -10,9 +10,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app.admin_ops import AdminOps
 from app.cli.admin_client import AdminClient, AdminRequestFailed
 from app.http.admin_api import admin_router
+from sessions.admin import AdminOps
 from sessions.manager import SessionManager
 from tests.conftest import MASTER_KEY
 

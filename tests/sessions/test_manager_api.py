@@ -341,9 +341,7 @@ def test_a_session_deleted_while_its_turn_is_being_recorded_is_serialised_with_i
 def test_a_turn_whose_transcript_left_the_bounded_cache_is_still_recorded_in_memory(
     tiny_manager: SessionManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sessions.manager as manager_module
-
-    monkeypatch.setattr(manager_module, "MAX_CACHED_TRANSCRIPTS", 1)
+    monkeypatch.setattr(tiny_manager._parts.transcripts, "capacity", 1)
     tenant = tiny_manager.create_tenant("acme")
     sid, other = tiny_manager.open_session(tenant), tiny_manager.open_session(tenant)
     tiny_manager.chat(tenant, sid, "My name is Bob.", max_new_tokens=4)

@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import inspect
 
-from app.admin_ops import AdminOps
 from app.http.admin_api import admin_router
+from sessions.admin import AdminOps
 from sessions.engine import Engine
 from sessions.errors import ChatKVError, InvalidInput, SessionNotFound, TenantNotFound
 from sessions.manager import SessionManager

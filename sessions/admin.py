@@ -6,12 +6,13 @@ dicts as they are; the CLI without `--server` builds `AdminOps.open_home(setting
 same dicts. So a command gives the same answer whether it runs here or through a server.
 
 Reads that need only the database (tenants, session listings, transcripts, stats, a `gc` dry run)
-do not load the model, nor import torch: this module imports `sessions.manager` and `cache` only
-where a manager is needed. Anything touching caches, keys or the model loads a `SessionManager` on
-first use. Without a live manager no cache is on the device or in host memory, so a session's tier
-is `disk` when a cache blob row names it (the tier a manager adopts at start-up) and `None`
-otherwise; and the turn counters (hit rate, prefill tokens, evictions) are those of the server
-process, so offline `stats` leaves them out.
+do not load the model, nor import torch: they go through the registry (`sessions.registry`), the
+same object the manager reads through, so tenants and sessions are found by the same rules either
+way; this module imports `sessions.manager` only where a manager is needed. Anything touching
+caches, keys or the model loads a `SessionManager` on first use. Without a live manager no cache is
+on the device or in host memory, so a session's tier is `disk` when a cache blob row names it (the
+tier a manager adopts at start-up) and `None` otherwise; and the turn counters (hit rate, prefill
+tokens, evictions) are those of the server process, so offline `stats` leaves them out.
 """
 
 from __future__ import annotations
@@ -23,25 +24,25 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
+from cache.ids import SessionId, TenantId
+from sessions.errors import InvalidInput, SessionNotFound
+from sessions.registry import Placement, Registry
 from sessions.settings import MAX_DURATION_S, Settings
-from sessions.validation import valid_id
 from storage.database import make_engine, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
+from storage.replica_store import ReplicaStore
 
 if TYPE_CHECKING:
+    from sessions.catalogue import SessionDetail
     from sessions.manager import SessionManager
-    from sessions.session_ops import SessionDetail
 
 TIERS = ("device", "host", "disk")
 """`cache.tiers.Tier`'s values (not imported: `cache` imports torch)."""
 EVICT_TARGETS = ("host", "disk", "drop")
 OFFLINE_STATS_NOTE = "turn counters are kept by the running server (use --server)"
 SUMMARY_CHARS = 120
-_TENANT_ID_PREFIX = "tn_"
 
 Json = dict[str, Any]
-Placement = Callable[[str, str], str | None]
 
 
 class AdminOps:
@@ -54,14 +55,15 @@ class AdminOps:
     def __init__(
         self,
         settings: Settings,
-        metadata: MetadataStore,
+        registry: Registry,
         load_manager: Callable[[], SessionManager],
         *,
         manager: SessionManager | None = None,
         owns_manager: bool,
     ) -> None:
         self.settings = settings
-        self.metadata = metadata
+        self.registry = registry
+        self.metadata = registry.metadata
         self._load_manager = load_manager
         self._manager = manager
         self._owns_manager = owns_manager
@@ -69,7 +71,7 @@ class AdminOps:
     @classmethod
     def of(cls, manager: SessionManager) -> AdminOps:
         """Operations over a live manager (the server's); `close` leaves it open."""
-        return cls(manager.settings, manager.metadata, lambda: manager, manager=manager, owns_manager=False)
+        return cls(manager.settings, manager.registry, lambda: manager, manager=manager, owns_manager=False)
 
     @classmethod
     def open_home(cls, settings: Settings, load_manager: Callable[[], SessionManager] | None = None) -> AdminOps:
@@ -78,7 +80,8 @@ class AdminOps:
         url = settings.resolved_database_url
         engine = make_engine(url)
         upgrade(url, engine)
-        return cls(settings, MetadataStore(engine), load_manager or (lambda: _new_manager(settings)), owns_manager=True)
+        registry = Registry(MetadataStore(engine))
+        return cls(settings, registry, load_manager or (lambda: _new_manager(settings)), owns_manager=True)
 
     @property
     def manager(self) -> SessionManager:
@@ -152,7 +155,9 @@ class AdminOps:
         names = {t.id: t.name for t in self.metadata.list_tenants()}
         placement = self._placement()
         rows = [
-            _session_json(record, names.get(record.tenant_id), placement(record.tenant_id, record.id))
+            _session_json(
+                record, names.get(record.tenant_id), placement(TenantId(record.tenant_id), SessionId(record.id))
+            )
             for record in self.metadata.list_sessions(tenant_id=tenant_id, idle_before=idle_before)
         ]
         return [row for row in rows if tier is None or row["tier"] == tier]
@@ -213,14 +218,11 @@ class AdminOps:
     def export_session(self, tenant: str, session_id: str) -> Json:
         """The session and its whole transcript, with each message's exact token ids."""
         record = self._tenant(tenant)
-        if not valid_id(session_id):
-            raise SessionNotFound(repr(session_id))
-        session = self.metadata.get_session(tenant_id=record.id, session_id=session_id)
-        if session is None:
-            raise SessionNotFound(session_id)
+        session = self.registry.session_record(TenantId(record.id), session_id)
         messages = self._messages(record.id, session_id)
+        tier = self._placement()(TenantId(record.id), SessionId(session.id))
         return {
-            "session": _session_json(session, record.name, self._placement()(record.id, session.id)),
+            "session": _session_json(session, record.name, tier),
             "system_prompt": session.system_prompt,
             "messages": [_message_json(m) for m in messages],
         }
@@ -265,8 +267,6 @@ class AdminOps:
         """The replicas registered in this database: id, URL, last heartbeat (and its age), sessions
         owned now, KV-cache bytes held; `alive` while the heartbeat is younger than a lease
         (`CHATKV_OWNERSHIP_LEASE_S`: a replica silent longer has lost its sessions)."""
-        from storage.replica_store import ReplicaStore
-
         now = time.time()
         lease_s = self.settings.ownership_lease_s
         rows = ReplicaStore(self.metadata.engine).list_replicas(now_unix_s=now)
@@ -328,35 +328,16 @@ class AdminOps:
     def _tenant(self, tenant: str) -> TenantRecord:
         if not isinstance(tenant, str) or not tenant:
             raise InvalidInput("a tenant name or id is required")
-        if not valid_id(tenant):
-            raise TenantNotFound(repr(tenant))
-        record = self.metadata.get_tenant(tenant_id=tenant) if tenant.startswith(_TENANT_ID_PREFIX) else None
-        record = record or self.metadata.get_tenant(name=tenant)
-        if record is None:
-            raise TenantNotFound(tenant)
-        return record
+        return self.registry.tenant_record(tenant)
 
     def _messages(self, tenant_id: str, session_id: str) -> list[MessageRecord]:
-        if not valid_id(session_id):
-            raise SessionNotFound(repr(session_id))
-        messages = self.metadata.messages(tenant_id=tenant_id, session_id=session_id)
-        if messages is None:
-            raise SessionNotFound(session_id)
-        return messages
+        return self.registry.message_records(TenantId(tenant_id), session_id)
 
     def _placement(self) -> Placement:
-        """Where each session's cache is: the live manager's answer, else what the database says."""
+        """Where each session's cache is: the live manager's answer, else what the database says
+        (on disk when a blob row names the session: what a manager adopts at start-up)."""
         if self._manager is not None:
-            from cache.ids import TenantId
-            from cache.tiers import CacheKey
-
-            tiers = self._manager.tiers
-
-            def live(tenant_id: str, session_id: str) -> str | None:
-                tier = tiers.placement(CacheKey(TenantId(tenant_id), session_id))
-                return tier.value if tier else None
-
-            return live
+            return self._manager.registry.placement
         rows = self.metadata.list_blobs(location=self.settings.disk_location())
         on_disk = {(b.tenant_id, b.session_id) for b in rows if b.session_id}
         return lambda tenant_id, session_id: "disk" if (tenant_id, session_id) in on_disk else None

@@ -1,0 +1,301 @@
+"""The composition root: every object of a `SessionManager`, built once from its settings and
+wired together here, so that each object takes what it needs as arguments and none reaches into
+another (`SessionManager` is the thin front over them).
+
+    database  -> metadata store, idempotency keys
+    engine    (the model and its loop; loaded unless given)
+    keys      (tenants' data keys under the master key)
+    replicas  (id; leases started last, once the tiers they publish through exist)
+    tiers     <- sealer (keys, engine), host/disk/redis stores (database)
+    registry  (records, torch-free)  ->  tenants, catalogue, turns  <- runner (engine, template, tiers)
+
+`close_parts` takes them down in the reverse order of what depends on what.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from sqlalchemy import Engine as Database
+
+from cache.budgets import TierBudgets
+from cache.ids import PrefixKey, SessionId, TenantId
+from cache.prefix_pool import PrefixPool
+from cache.session_cache import BaseLayer
+from cache.tier_manager import LeaseHeld, TierManager
+from cache.tiers import CacheKey, Tier
+from cache.window_policy import WindowPolicy
+from sessions.catalogue import SessionCatalogue
+from sessions.chat_template import ChatTemplate
+from sessions.engine import Engine
+from sessions.errors import ModelUnavailable
+from sessions.idempotency import IdempotentRequests
+from sessions.metrics import Metrics
+from sessions.model_source import load_model
+from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore
+from sessions.registry import Registry
+from sessions.replicas import Replicas
+from sessions.replication import open_shared_store, replica_id_for, start_ownership
+from sessions.settings import Settings
+from sessions.tenants import Tenants
+from sessions.transcripts import Transcripts
+from sessions.turn_service import TurnService
+from sessions.turns import TurnRunner
+from storage.atomic_files import remove_temp_files
+from storage.blob_stores import DiskBlobStore, HostBlobStore
+from storage.database import make_engine, upgrade
+from storage.keyring import TenantKeys, load_master_key
+from storage.metadata_store import MetadataStore
+from storage.replica_store import ReplicaStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ManagerParts:
+    """The objects of one manager (see the module docstring)."""
+
+    settings: Settings
+    database: Database
+    metadata: MetadataStore
+    idempotency: IdempotentRequests
+    engine: Engine
+    context_budget_tokens: int
+    keys: TenantKeys
+    metrics: Metrics
+    disk_store: DiskBlobStore[CacheKey]
+    shared_store: SharedBlobStore | None
+    sealer: EncryptedCacheSealer
+    tiers: TierManager
+    template: ChatTemplate
+    runner: TurnRunner
+    transcripts: Transcripts
+    registry: Registry
+    replicas: Replicas
+    tenants: Tenants
+    catalogue: SessionCatalogue
+    turns: TurnService
+
+
+def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
+    """Build every part of a manager on `settings.home` (migrating its database, reconciling its
+    disk tier, registering it as a replica when it is one).
+
+    Raises:
+        ModelUnavailable: if the model cannot be loaded (or its device is not on this machine).
+        ValueError: for settings that cannot work with this model (a window above its context).
+    """
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    database = make_engine(settings.resolved_database_url)
+    upgrade(settings.resolved_database_url, database)
+    metadata = MetadataStore(database)
+    if engine is None:
+        device = resolve_device(settings.device)
+        engine = Engine(load_model(settings.model, settings.resolved_model_cache_dir, device, settings.dtype))
+    engine.loop.configure(settings.scheduler_config())
+    budget = _context_budget(settings, engine)
+    keys = _tenant_keys(settings, metadata)
+    replicas = Replicas(replica_id_for(settings) if settings.replica_mode else None, settings.replica_url)
+    metrics = Metrics(tenant_labels=settings.metrics_tenant_labels, replica=replicas.replica_id)
+    disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
+        settings.blob_dir,
+        metadata,
+        engine.fingerprint,
+        lambda t, n: CacheKey(TenantId(t), n),  # session and base-layer blobs alike
+        location=replicas.replica_id or "",
+    )
+    shared_store = open_shared_store(settings, metadata, engine.fingerprint)
+    sealer = EncryptedCacheSealer(
+        keys, engine.fingerprint, engine.device, settings.offload_precision, settings.quant_residual_tokens
+    )
+    tiers = _tier_manager(settings, engine, sealer, disk_store, shared_store, metrics, replicas)
+    remove_temp_files(settings.home)
+    template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
+    runner = TurnRunner(
+        engine=engine,
+        template=template,
+        tiers=tiers,
+        window=WindowPolicy(
+            budget,
+            policy=settings.window_policy,
+            recent_tokens=settings.window_recent_tokens,
+            observation_tokens=settings.window_observation_tokens,
+        ),
+        share_base=settings.share_base,
+        reuse_kv=settings.reuse_kv,
+    )
+    metrics.watch_tiers(tiers.usage)
+    metrics.watch_engine(engine.loop.stats, runner.preparing_by_tenant)
+    engine.loop.add_observer(metrics)
+    transcripts = Transcripts(metadata, engine.tokenizer)
+    registry = Registry(metadata, placement=lambda t, s: _tier_name(tiers.placement(CacheKey.for_session(t, s))))
+
+    def forget_caches(tenant_id: TenantId) -> None:
+        runner.cancel_requests(tenant_id)
+        tiers.forget_tenant(tenant_id)
+        transcripts.drop_tenant(tenant_id)
+
+    parts = ManagerParts(
+        settings=settings,
+        database=database,
+        metadata=metadata,
+        idempotency=IdempotentRequests(database),
+        engine=engine,
+        context_budget_tokens=budget,
+        keys=keys,
+        metrics=metrics,
+        disk_store=disk_store,
+        shared_store=shared_store,
+        sealer=sealer,
+        tiers=tiers,
+        template=template,
+        runner=runner,
+        transcripts=transcripts,
+        registry=registry,
+        replicas=replicas,
+        tenants=Tenants(
+            registry=registry,
+            metadata=metadata,
+            keys=keys,
+            database=database,
+            home=settings.home,
+            forget_caches=forget_caches,
+            remove_files=disk_store.remove_tenant_folder,
+        ),
+        catalogue=SessionCatalogue(
+            registry=registry,
+            metadata=metadata,
+            tiers=tiers,
+            transcripts=transcripts,
+            runner=runner,
+            template=template,
+            tokenizer=engine.tokenizer,
+            replicas=replicas,
+            fingerprint=engine.fingerprint,
+            max_context_tokens=engine.max_context_tokens,
+            context_budget_tokens=budget,
+            pin_first_turn=settings.pin_first_turn,
+        ),
+        turns=TurnService(
+            registry=registry,
+            metadata=metadata,
+            tiers=tiers,
+            transcripts=transcripts,
+            runner=runner,
+            replicas=replicas,
+            metrics=metrics,
+            fingerprint=engine.fingerprint,
+            reuse_kv=settings.reuse_kv,
+        ),
+    )
+    if replicas.replica_id is not None:
+        invalidate = _local_invalidation(transcripts, tiers)
+        replicas.start(start_ownership(settings, ReplicaStore(database), replicas.replica_id, tiers, invalidate))
+    return parts
+
+
+def close_parts(parts: ManagerParts, lease_wait_s: float) -> None:
+    """Stop a manager's parts once its turns were cancelled: wait up to `lease_wait_s` for them to
+    let go of their sessions, hand sessions over (replicas), persist caches to disk (a restart
+    resumes warm), stop the write-back, close the database."""
+    if not parts.tiers.wait_for_leases(lease_wait_s):
+        log.warning("turns still hold sessions %.0f s after close(); their caches are not persisted", lease_wait_s)
+    parts.engine.loop.remove_observer(parts.metrics)
+    parts.replicas.close()  # publishes the sessions it holds, so others take them at once
+    parts.tiers.persist_all()
+    parts.tiers.close()
+    parts.database.dispose()
+
+
+def resolve_device(device: str) -> str:
+    """The torch device for a `Settings.device` value. Raises `ModelUnavailable` for an
+    accelerator this machine does not have."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelUnavailable(f"device {device!r} asked for, but CUDA is not available on this machine")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ModelUnavailable("device 'mps' asked for, but MPS is not available on this machine")
+    return device
+
+
+def _context_budget(settings: Settings, engine: Engine) -> int:
+    budget = settings.context_budget_tokens or int(engine.max_context_tokens * 0.8)
+    if budget > engine.max_context_tokens:
+        raise ValueError(
+            f"context_budget_tokens={budget} exceeds the model's context ({engine.max_context_tokens} tokens)"
+        )
+    return budget
+
+
+def _tenant_keys(settings: Settings, metadata: MetadataStore) -> TenantKeys:
+    in_use = {t.master_key_id for t in metadata.list_tenants() if t.master_key_id}
+    keys = TenantKeys(metadata, load_master_key(settings.home, settings.master_key, in_use))
+    if in_use and keys.master.id not in in_use:
+        log.error(
+            "the master key (id %s) did not wrap any tenant's data key (ids %s): stored caches cannot "
+            "be opened and are rebuilt from transcripts; set CHATKV_MASTER_KEY to the right key",
+            keys.master.id,
+            ", ".join(sorted(in_use)),
+        )
+    return keys
+
+
+def _tier_manager(
+    settings: Settings,
+    engine: Engine,
+    sealer: EncryptedCacheSealer,
+    disk_store: DiskBlobStore[CacheKey],
+    shared_store: SharedBlobStore | None,
+    metrics: Metrics,
+    replicas: Replicas,
+) -> TierManager:
+    """The tiers over the host, disk (and Redis) stores, with the disk blobs found at start-up."""
+
+    def build_base(tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> BaseLayer:
+        keys, values = engine.compute_prefix(token_ids)
+        return BaseLayer(key, token_ids, keys, values)
+
+    tiers = TierManager(
+        pool=PrefixPool(),
+        sealer=sealer,
+        host=TierBlobStore(HostBlobStore[CacheKey]()),
+        disk=TierBlobStore(disk_store),
+        budgets=TierBudgets(
+            device_bytes=settings.device_budget_bytes or 0,
+            host_bytes=settings.host_budget_bytes or 0,
+            disk_bytes=settings.disk_budget_bytes or 0,
+            tenant_device_quota_bytes=settings.tenant_device_quota_bytes or 0,
+        ),
+        base_builder=build_base,
+        write_back=settings.persist == "write_back",
+        events=metrics,
+        shared=shared_store,
+        may_publish=replicas.may_publish,
+    )
+    tiers.adopt_disk_blobs(disk_store.reconcile())
+    if disk_store.damaged_at_start:
+        metrics.integrity_failures.labels(Tier.DISK.value).inc(disk_store.damaged_at_start)
+    return tiers
+
+
+def _local_invalidation(transcripts: Transcripts, tiers: TierManager) -> Callable[[CacheKey], None]:
+    """What a replica drops when another replica moved a session on: its transcript and its
+    local caches; a turn in flight here keeps its own (its commit fence decides)."""
+
+    def invalidate(key: CacheKey) -> None:
+        transcripts.drop(key.tenant_id, SessionId(key.name))
+        try:
+            tiers.forget_local(key)
+        except LeaseHeld:
+            log.debug("session %s: a local turn holds it; its stale copies are left to the fence", key.name)
+
+    return invalidate
+
+
+def _tier_name(tier: Tier | None) -> str | None:
+    return tier.value if tier else None

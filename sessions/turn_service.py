@@ -1,0 +1,188 @@
+"""Turns of a manager's sessions: take the session (its ownership lease among replicas, its tier
+lease), run the turn (`sessions.turns.TurnRunner`: restore or rebuild, window, engine loop,
+stream), store it (one database transaction), commit its cache.
+
+    stream_chat(tenant, session, message)
+      registry.session_record          another tenant's session is not found (invariant 2)
+      replicas.hold + tiers.lease      one turn per session at a time, on its owner
+      transcripts.get                  the conversation the turn renders
+      runner.run  ->  text pieces, then the outcome (nothing stored yet)
+      metadata.record_turn             user and assistant messages, token count, digest (fenced
+                                       by the ownership lease among replicas)
+      lease.commit(cache)              the cache the turn left, on the device
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+from cache.ids import SessionId, TenantId
+from cache.lease import Lease
+from cache.tier_manager import LeaseHeld, TierManager
+from cache.tiers import CacheKey
+from sessions.cancellation import CancelToken
+from sessions.chat_template import PastTurn
+from sessions.errors import SessionBusy, SessionMoved, SessionNotFound
+from sessions.metrics import Metrics
+from sessions.records import Reply
+from sessions.registry import Registry
+from sessions.replicas import Replicas
+from sessions.sampling import SamplingParams
+from sessions.stop_strings import StopStrings
+from sessions.transcript import Transcript
+from sessions.transcripts import Transcripts
+from sessions.turns import TurnOutcome, TurnRunner
+from storage.errors import SessionGone
+from storage.metadata_store import MetadataStore
+from storage.replica_store import OwnershipLost, OwnerToken
+
+
+class TurnService:
+    """Runs and stores the turns of a manager's sessions. Thread-safe: turns of different sessions
+    run at once (batched by the engine loop); a session has one turn at a time.
+
+    Args:
+        registry, metadata: session records; turns are stored in `metadata`.
+        tiers: the session caches (leased for a turn).
+        transcripts: the conversations turns render.
+        runner: runs one turn.
+        replicas: the ownership lease held around a turn among replicas.
+        metrics: counts every stored turn.
+        fingerprint: the model's, recorded with each turn.
+        reuse_kv: keep each turn's cache (off: a benchmark baseline that rebuilds every turn).
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        metadata: MetadataStore,
+        tiers: TierManager,
+        transcripts: Transcripts,
+        runner: TurnRunner,
+        replicas: Replicas,
+        metrics: Metrics,
+        fingerprint: str,
+        reuse_kv: bool,
+    ) -> None:
+        self._registry = registry
+        self._metadata = metadata
+        self._tiers = tiers
+        self._transcripts = transcripts
+        self._runner = runner
+        self._replicas = replicas
+        self._metrics = metrics
+        self._fingerprint = fingerprint
+        self._reuse_kv = reuse_kv
+
+    def stream(
+        self,
+        tenant_id: TenantId,
+        session_id: str,
+        message: str,
+        params: SamplingParams,
+        stop: StopStrings,
+        *,
+        expected_turns: int | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Generator[str | Reply, None, None]:
+        """`SessionManager.stream_chat` once its arguments are checked: the reply's pieces, then
+        the `Reply`; the turn is stored when the generator finishes, abandoning it stores nothing."""
+        record = self._registry.session_record(tenant_id, session_id)
+        sid = SessionId(record.id)
+        key = CacheKey.for_session(tenant_id, sid)
+        try:
+            with self._replicas.hold(key) as owner, self._tiers.lease(key) as lease:
+                if owner is not None:
+                    # The hold may have waited for another replica's hand-over, which ran turns
+                    # since the read above: the transcript must be built on the record as it is now.
+                    record = self._registry.session_record(tenant_id, session_id)
+                transcript = self._transcripts.get(tenant_id, sid, record)
+                if expected_turns is not None and len(transcript.turns) != expected_turns:
+                    raise SessionBusy(f"session {sid} moved on: it has {len(transcript.turns)} turns")
+                outcome = yield from self._run(tenant_id, sid, transcript, message, params, stop, lease, cancel)
+                self._store(tenant_id, sid, transcript, message, outcome, owner)
+                if self._reuse_kv:
+                    if outcome.cache is not None:
+                        lease.commit(outcome.cache)
+                    else:  # a stop string cut the reply inside what the cache holds: rebuilt next turn
+                        lease.discard()
+        except LeaseHeld:  # only the lease's entry raises it: another turn holds the session
+            raise SessionBusy(f"session {sid} has a turn in flight; wait for its reply") from None
+        yield outcome.reply
+
+    def _run(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        message: str,
+        params: SamplingParams,
+        stop: StopStrings,
+        lease: Lease,
+        cancel: CancelToken | None,
+    ) -> Generator[str, None, TurnOutcome]:
+        """Yield the reply's text pieces; return the outcome (nothing stored yet)."""
+        outcome = None
+        for item in self._runner.run(
+            tenant_id=tenant_id,
+            session_id=session_id,
+            transcript=transcript,
+            user_text=message,
+            params=params,
+            lease=lease,
+            stop=stop,
+            cancel=cancel,
+        ):
+            if isinstance(item, TurnOutcome):
+                outcome = item
+            else:
+                yield item
+        if outcome is None:
+            raise RuntimeError("bug: the turn ended without an outcome")
+        return outcome
+
+    def _store(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        transcript: Transcript,
+        message: str,
+        outcome: TurnOutcome,
+        owner: OwnerToken | None,
+    ) -> None:
+        reply = outcome.reply
+        try:
+            self._metadata.record_turn(
+                tenant_id=tenant_id,
+                session_id=session_id,
+                messages=[
+                    ("user", message, outcome.user_token_ids),
+                    ("assistant", reply.stored_text, outcome.reply_token_ids),
+                ],
+                token_count=outcome.token_count,
+                model_fingerprint=self._fingerprint,
+                ttft_s=reply.stats.ttft_s,
+                returned_texts=(message, reply.text),
+                owner=owner,
+            )
+        except SessionGone:
+            raise SessionNotFound(session_id) from None
+        except OwnershipLost:
+            raise SessionMoved(
+                f"session {session_id} was taken over by another replica while this turn ran; "
+                "it was not stored, retry it"
+            ) from None
+        transcript.append(PastTurn(message, reply.stored_text, outcome.reply_token_ids), outcome.token_count)
+        if outcome.unpinned_turn is not None:
+            transcript.pinned.discard(outcome.unpinned_turn)
+            self._metadata.set_pinned_turns(
+                tenant_id=tenant_id, session_id=session_id, pinned_turns=sorted(transcript.pinned)
+            )
+        # The turn held the session's lease; its transcript is the current one even if the bounded
+        # cache dropped it meanwhile.
+        self._transcripts.put(tenant_id, session_id, transcript)
+        s = reply.stats
+        self._metrics.record_turn(
+            tenant_id, s.prefill_tokens, s.reused_tokens, s.decode_tokens, s.ttft_s, s.restored_from, s.queue_s
+        )
