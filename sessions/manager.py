@@ -31,7 +31,6 @@ from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS, WindowPolicy
 from sessions.cancellation import CancelToken
-from sessions.chat_template import ChatTemplate, PastTurn
 from sessions.engine import Engine
 from sessions.errors import (
     ContextTooLong,
@@ -54,10 +53,11 @@ from sessions.replication import open_shared_store, replica_id_for, start_owners
 from sessions.sampling import SamplingParams
 from sessions.session_ops import SessionOps
 from sessions.settings import Settings
-from sessions.stop_strings import StopStrings
 from sessions.tenant_ops import TenantRef
-from sessions.transcript import Transcript
-from sessions.turns import TurnOutcome, TurnRunner
+from sessions.turn.chat_template import ChatTemplate, PastTurn
+from sessions.turn.runner import TurnOutcome, TurnRunner
+from sessions.turn.stop_strings import StopStrings
+from sessions.turn.transcript import Transcript
 from sessions.validation import check_text, valid_id
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore

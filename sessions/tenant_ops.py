@@ -20,8 +20,8 @@ from cache.tiers import CacheKey
 from sessions.errors import InvalidInput, ManagerClosed, TenantExists, TenantNotFound
 from sessions.records import Tenant
 from sessions.settings import Settings
-from sessions.transcript import Transcript
-from sessions.turns import TurnRunner
+from sessions.turn.runner import TurnRunner
+from sessions.turn.transcript import Transcript
 from sessions.validation import valid_id
 from storage.blob_stores import DiskBlobStore
 from storage.database import secure_erase_freed_pages

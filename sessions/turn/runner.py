@@ -13,11 +13,11 @@ Two ways to the first new token:
   session with this system prompt) is prefilled in the same forward pass as the turn and then
   copied into the pool, so a first turn costs one pass, like a plain full prefill.
 
-Either way the window step first makes the turn fit (`sessions.turn_prep`: whole oldest turns
+Either way the window step first makes the turn fit (`sessions.turn.window`: whole oldest turns
 demoted, or tokens evicted by attention under the `attention` policy).
 With `reuse_kv` off (a benchmark baseline) every turn takes the rebuild path without the pool.
 
-A turn with stop strings ends early once its text contains one (`sessions.stop_strings`): the
+A turn with stop strings ends early once its text contains one (`sessions.turn.stop_strings`): the
 request is finished at the loop's next step and the reply returned is cut before the stop string.
 The turn stores what its client saw, as a posted history of it would (the cut text, its ids and a
 stop token), so continuing the session answers as a fresh post of that history does: the cache is
@@ -44,15 +44,15 @@ from cache.tier_manager import TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS, ContextOverflow, WindowPlan, WindowPolicy
 from sessions.cancellation import CancelToken
-from sessions.chat_template import ChatTemplate, ConversationTokens, PastTurn, TemplateDivergence, rendering_digest
-from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine, Request, RequestResult
 from sessions.errors import ContextTooLong, SessionNotFound
 from sessions.records import FinishReason, Reply, RestoreSource, TurnStats
 from sessions.sampling import SamplingParams
-from sessions.stop_strings import NO_STOP, StopScanner, StopStrings
-from sessions.transcript import Transcript, transcript_digest
-from sessions.turn_prep import TurnWindow
+from sessions.turn.chat_template import ChatTemplate, ConversationTokens, PastTurn, TemplateDivergence, rendering_digest
+from sessions.turn.detokenizer import IncrementalDetokenizer
+from sessions.turn.stop_strings import NO_STOP, StopScanner, StopStrings
+from sessions.turn.transcript import Transcript, transcript_digest
+from sessions.turn.window import TurnWindow
 
 log = logging.getLogger(__name__)
 
