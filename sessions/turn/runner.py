@@ -52,7 +52,7 @@ from sessions.turn.chat_template import ChatTemplate, ConversationTokens, PastTu
 from sessions.turn.detokenizer import IncrementalDetokenizer
 from sessions.turn.stop_strings import NO_STOP, StopScanner, StopStrings
 from sessions.turn.transcript import Transcript, transcript_digest
-from sessions.turn.window import TurnWindow
+from sessions.turn.window import TurnWindow, restack_kept
 
 log = logging.getLogger(__name__)
 
@@ -356,8 +356,6 @@ class TurnRunner:
             if by_attention is not None:
                 return by_attention
         window = self._plan_window(past_spans, base_tokens, TurnPlan((), new_turn), params)
-        dropped = {span.original_start for span in window.demote}
-        kept = [span for span in past_spans if span.original_start not in dropped]
         base_reused = 0
         base = None
         pending_base = None
@@ -373,15 +371,12 @@ class TurnRunner:
                 base = found[0]
                 base_reused = base_tokens
         cache = self.engine.empty_cache(base)
-        spans: list[LayerSpan] = []
-        position = base_tokens
-        for span in kept:
-            prefill.extend(ids[span.original_start : span.original_start + span.token_count])
-            spans.append(replace(span, position_start=position))
-            position += span.token_count
+        kept = restack_kept(_stream_layers(ids, past_spans), window.demote, base_tokens)
+        prefill.extend(kept.ids)
         prefill.extend(new_turn)
+        position = base_tokens + len(kept.ids)
         turn_index = len(transcript.turns)
-        spans.append(self._turn_span(turn_index, transcript, starts[-1], position))
+        spans = [*kept.spans, self._turn_span(turn_index, transcript, starts[-1], position)]
         return _Prepared(
             cache=cache,
             prefill=tuple(prefill),
@@ -431,24 +426,14 @@ class TurnRunner:
             return None
         if window.needed_tokens <= budget:
             return None
-        dropped = {span.original_start for span in window.demote}
         base = None
         base_reused = base_computed = 0
         if base_tokens:
             key = self.base_key(tenant_id, session_id, ids[:base_tokens])
             base, origin = self.tiers.base_layer(tenant_id, key, tuple(ids[:base_tokens]))
             base_reused, base_computed = (0, base_tokens) if origin == "built" else (base_tokens, 0)
-        cache = self.engine.empty_cache(base)
-        spans: list[LayerSpan] = []
-        past_ids: list[int] = []
-        position = base_tokens
-        for span in past_spans:
-            if span.original_start in dropped:
-                continue
-            past_ids.extend(ids[span.original_start : span.original_start + span.token_count])
-            spans.append(replace(span, position_start=position))
-            position += span.token_count
-        cache = self.fitting.prefill_layers(cache, past_ids, spans)
+        kept = restack_kept(_stream_layers(ids, past_spans), window.demote, base_tokens)
+        cache = self.fitting.prefill_layers(self.engine.empty_cache(base), kept.ids, kept.spans)
         try:
             fitted = self.fitting.fit(_apply_pins(cache, transcript.pinned), (), new_turn, params.max_new_tokens)
         except ContextTooLong:  # the recent window alone is too large: whole turns must go
@@ -462,7 +447,7 @@ class TurnRunner:
             reused_tokens=base_reused,
             base_reused=base_reused,
             demoted_tokens=window.demoted_tokens + fitted.demoted_tokens,
-            base_computed=base_computed + len(past_ids),
+            base_computed=base_computed + len(kept.ids),
             user_token_ids=tuple(ids[min(transcript.token_count, starts[-1]) :]),
             stream_before_reply=len(ids),
             rendering=conversation.rendering,
@@ -672,3 +657,8 @@ def _apply_pins(cache: SessionCache, pinned: set[int]) -> SessionCache:
         for span in cache.layers
     ]
     return cache.replace_layers(layers) if layers != list(cache.layers) else cache
+
+
+def _stream_layers(ids: Sequence[int], spans: Sequence[LayerSpan]) -> list[tuple[LayerSpan, Sequence[int]]]:
+    """Each of `spans` (rows of the conversation stream `ids`) with the ids it covers."""
+    return [(span, ids[span.original_start : span.original_start + span.original_tokens]) for span in spans]
