@@ -154,7 +154,7 @@ class SessionCache:
     layers: tuple[LayerSpan, ...]
     base: BaseLayer | None = field(default=None, compare=False)
     transcript_digest: str = ""
-    """Digest of the transcript this cache was computed from (see `sessions.turn.runner`); a cache is
+    """Digest of the transcript this cache was computed from (see `sessions.turn.preparer`); a cache is
     used only for the transcript it matches, so an edited message can never reuse a stale KV."""
     rendering_digest: str = ""
     """Digest of the chat template's text of the conversation through the last reply's content

@@ -55,7 +55,8 @@ from sessions.session_ops import SessionOps
 from sessions.settings import Settings
 from sessions.tenant_ops import TenantRef
 from sessions.turn.chat_template import ChatTemplate, PastTurn
-from sessions.turn.runner import TurnOutcome, TurnRunner
+from sessions.turn.completion import TurnOutcome
+from sessions.turn.runner import TurnRunner
 from sessions.turn.stop_strings import StopStrings
 from sessions.turn.transcript import Transcript
 from sessions.validation import check_text, valid_id

@@ -16,7 +16,7 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
 Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
 positions would pass the model's position limit takes the rebuild path instead
 (`positions_overflow`), which under `attention` prefills the kept past at contiguous positions
-and evicts from it the same way (`TurnRunner._rebuild_by_attention` in `sessions/turn/runner.py`).
+and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in `sessions/turn/preparer.py`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
