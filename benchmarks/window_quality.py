@@ -5,7 +5,7 @@ default model, greedy.
 Each conversation is first run through chatkv with an unbounded window (the reference: exact cache,
 its greedy replies). Then, for each policy and context budget, the same conversation (the
 reference's user messages and replies, teacher-forced) is replayed into a session cache with
-chatkv's own window step (`sessions.turn_prep.TurnWindow.fit`, the code a turn runs) before every
+chatkv's own window step (`sessions.turn.window.TurnWindow.fit`, the code a turn runs) before every
 turn, so every policy sees the same history and differs only in what its window kept. (In the
 replay each turn layer starts with the closing of the previous reply instead of ending with it,
 as chatkv's manager does; a 2-token difference per layer boundary.)
@@ -52,7 +52,7 @@ from cache.window_policy import WindowPolicy
 from sessions.engine import Engine
 from sessions.errors import ContextTooLong
 from sessions.sampling import SamplingParams
-from sessions.turn_prep import FittedWindow, TurnWindow
+from sessions.turn.window import FittedWindow, TurnWindow
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 POLICIES = ("turns", "attention")

@@ -6,7 +6,7 @@ budget, on the real default model, greedy.
 A rebuild under `turns` prefills the whole turns that fit the budget. Under `attention` it drops
 whole oldest turns only down to half-way between the budget and the model's position limit, prefills
 that kept past at contiguous positions, scores it with the new turn's observation window and evicts
-per KV head down to the budget (`TurnRunner._rebuild_by_attention`): one prefill of the kept past
+per KV head down to the budget (`TurnPreparer._rebuild_by_attention`): one prefill of the kept past
 plus the scoring prefill, where `turns` has one prefill of less. This measures that difference.
 
 Each policy gets its own home and the same conversation: `--turns` turns of ~100-token paragraphs

@@ -154,11 +154,11 @@ class SessionCache:
     layers: tuple[LayerSpan, ...]
     base: BaseLayer | None = field(default=None, compare=False)
     transcript_digest: str = ""
-    """Digest of the transcript this cache was computed from (see `sessions.turns`); a cache is
+    """Digest of the transcript this cache was computed from (see `sessions.turn.preparer`); a cache is
     used only for the transcript it matches, so an edited message can never reuse a stale KV."""
     rendering_digest: str = ""
     """Digest of the chat template's text of the conversation through the last reply's content
-    (see `sessions.chat_template`); a cache whose text renders differently now (a date in the
+    (see `sessions.turn.chat_template`); a cache whose text renders differently now (a date in the
     system turn, another template) is not reused. Empty: unknown, never reused."""
     own_stream_index: tuple[torch.Tensor, ...] | None = field(default=None, compare=False)
 

@@ -25,7 +25,7 @@ when computed, so each one's distance to a new query, whose position continues f
 were computed; moving them closer would change the relative positions the model reads. This is
 what SnapKV and H2O do. The price is that positions keep growing with the conversation while the
 cache does not; when they would pass the model's position limit the turn rebuilds the window from
-the transcript (`sessions.turn_prep`).
+the transcript (`sessions.turn.window`).
 """
 
 from __future__ import annotations

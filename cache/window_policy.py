@@ -62,7 +62,7 @@ class WindowPolicy:
         policy: `turns` (exact per layer: whole oldest turns go, `plan`) or `attention` (lossy:
             tokens of unpinned turn layers are evicted by importance, per KV head:
             `cache.token_eviction`; the rebuild path demotes whole turns only until the turn
-            fits half-way to the model's position limit, then evicts: `sessions/turns.py`).
+            fits half-way to the model's position limit, then evicts: `sessions/turn/preparer.py`).
         recent_tokens: under `attention`, most recent own tokens never evicted.
         observation_tokens: under `attention`, queries at the end of the new turn's prefill whose
             attention scores the cached tokens (`cache.attention_scores`).

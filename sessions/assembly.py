@@ -29,7 +29,6 @@ from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import WindowPolicy
 from sessions.catalogue import SessionCatalogue
-from sessions.chat_template import ChatTemplate
 from sessions.engine import Engine
 from sessions.errors import ModelUnavailable
 from sessions.idempotency import IdempotentRequests
@@ -42,8 +41,9 @@ from sessions.replication import open_shared_store, replica_id_for, start_owners
 from sessions.settings import Settings
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
+from sessions.turn.chat_template import ChatTemplate
+from sessions.turn.runner import TurnRunner
 from sessions.turn_service import TurnService
-from sessions.turns import TurnRunner
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import make_engine, upgrade

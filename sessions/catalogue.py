@@ -16,13 +16,13 @@ from cache.session_cache import LayerSpan, SessionCache
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS
-from sessions.chat_template import ChatTemplate
 from sessions.errors import ContextTooLong, HistoryTooLong, InvalidInput, SessionBusy, SessionNotFound
 from sessions.records import RestoreResult, SessionInfo
 from sessions.registry import SESSION_ID_PREFIX, Registry
 from sessions.replicas import Replicas
 from sessions.transcripts import Transcripts
-from sessions.turns import TurnRunner
+from sessions.turn.chat_template import ChatTemplate
+from sessions.turn.runner import TurnRunner
 from sessions.validation import check_text
 from storage.metadata_store import MetadataStore
 

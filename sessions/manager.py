@@ -36,7 +36,7 @@ from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
-from sessions.stop_strings import StopStrings
+from sessions.turn.stop_strings import StopStrings
 from sessions.validation import check_text
 from storage.home_lock import HomeLock, HomeLockedError
 

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from typing import Any
 
 from cache.ids import SessionId, TenantId
-from sessions.chat_template import PastTurn
-from sessions.transcript import Transcript
+from sessions.turn.chat_template import PastTurn
+from sessions.turn.transcript import Transcript
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord
 
 log = logging.getLogger(__name__)

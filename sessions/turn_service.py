@@ -1,5 +1,5 @@
 """Turns of a manager's sessions: take the session (its ownership lease among replicas, its tier
-lease), run the turn (`sessions.turns.TurnRunner`: restore or rebuild, window, engine loop,
+lease), run the turn (`sessions.turn.runner.TurnRunner`: restore or rebuild, window, engine loop,
 stream), store it (one database transaction), commit its cache.
 
     stream_chat(tenant, session, message)
@@ -21,17 +21,18 @@ from cache.lease import Lease
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey
 from sessions.cancellation import CancelToken
-from sessions.chat_template import PastTurn
 from sessions.errors import SessionBusy, SessionMoved, SessionNotFound
 from sessions.metrics import Metrics
 from sessions.records import Reply
 from sessions.registry import Registry
 from sessions.replicas import Replicas
 from sessions.sampling import SamplingParams
-from sessions.stop_strings import StopStrings
-from sessions.transcript import Transcript
 from sessions.transcripts import Transcripts
-from sessions.turns import TurnOutcome, TurnRunner
+from sessions.turn.chat_template import PastTurn
+from sessions.turn.completion import TurnOutcome
+from sessions.turn.runner import TurnRunner
+from sessions.turn.stop_strings import StopStrings
+from sessions.turn.transcript import Transcript
 from storage.errors import SessionGone
 from storage.metadata_store import MetadataStore
 from storage.replica_store import OwnershipLost, OwnerToken

@@ -41,7 +41,7 @@ from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
 from sessions.manager import MAX_MESSAGE_CHARS, SessionManager
 from sessions.records import Reply, Tenant
 from sessions.sampling import SamplingParams
-from sessions.stop_strings import StopStrings
+from sessions.turn.stop_strings import StopStrings
 from sessions.validation import check_text
 
 TurnStream = Generator[str | Reply, None, None]

@@ -310,14 +310,14 @@ def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
     `chatkv_requests_running` and ends when its client goes: nothing reaches the loop or the store."""
     runner = server.manager.runner
     preparing, release = threading.Event(), threading.Event()
-    prepare = runner._prepare_rebuild
+    prepare = runner.preparer._prepare_rebuild
 
     def slow_prepare(*args: Any, **kwargs: Any) -> Any:
         preparing.set()
         release.wait(30)
         return prepare(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "_prepare_rebuild", slow_prepare)
+    monkeypatch.setattr(runner.preparer, "_prepare_rebuild", slow_prepare)
     monkeypatch.setattr("app.http.openai_api.CancelToken", _RecordedTokens)
     _RecordedTokens.made.clear()
     before, steps = server.stored(), server.manager.engine.loop.stats().steps

@@ -12,9 +12,9 @@ from transformers import DynamicCache
 
 from cache.ids import SessionId, TenantId
 from cache.tiers import CacheKey
-from sessions.chat_template import PastTurn
 from sessions.engine import Engine
 from sessions.manager import SessionManager
+from sessions.turn.chat_template import PastTurn
 from tests.conftest import make_settings
 
 

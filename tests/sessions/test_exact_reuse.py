@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from sessions.chat_template import PastTurn
 from sessions.engine import Engine
 from sessions.manager import SessionManager
+from sessions.turn.chat_template import PastTurn
 
 pytestmark = pytest.mark.real_model
 

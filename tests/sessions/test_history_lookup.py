@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sessions.chat_template import PastTurn
 from sessions.engine import Engine
 from sessions.errors import InvalidInput, SessionBusy
 from sessions.manager import SessionManager
+from sessions.turn.chat_template import PastTurn
 from tests.conftest import make_settings
 
 

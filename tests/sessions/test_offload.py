@@ -21,12 +21,12 @@ import torch
 
 from cache.tier_manager import LeaseHeld
 from cache.tiers import LOCAL_TIERS, BlobRejected, Tier
-from sessions.chat_template import PastTurn
 from sessions.engine import Engine
 from sessions.errors import SessionBusy, SessionNotFound
 from sessions.manager import SessionManager
 from sessions.model_source import load_model
 from sessions.records import Reply
+from sessions.turn.chat_template import PastTurn
 from storage.keyring import parse_master_key
 from tests.conftest import MODEL_CACHE
 from tests.sessions.offload_helpers import (

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from app.http.api_turns import TurnParams, continue_history
-from sessions.chat_template import PastTurn
 from sessions.engine import Engine, Request
 from sessions.errors import InvalidInput
 from sessions.manager import SessionManager
 from sessions.records import Reply
 from sessions.sampling import SamplingParams
-from sessions.stop_strings import StopScanner, StopStrings
+from sessions.turn.chat_template import PastTurn
+from sessions.turn.stop_strings import StopScanner, StopStrings
 from tests.sessions.test_exact_reuse import expected_new_turn_tokens, greedy_from_scratch
 
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_new_tokens": 40}

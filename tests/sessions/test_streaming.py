@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from sessions.cancellation import CancelToken
-from sessions.detokenizer import IncrementalDetokenizer
 from sessions.engine import Engine
 from sessions.errors import TurnCancelled
 from sessions.manager import SessionManager
+from sessions.turn.detokenizer import IncrementalDetokenizer
 
 TEXT = "猫が好きです 🐱🎉 naïve café"
 

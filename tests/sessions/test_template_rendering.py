@@ -18,10 +18,10 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.utils import chat_template_utils
 
-from sessions.chat_template import ChatTemplate, PastTurn, TemplateDivergence, rendering_digest
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.records import Reply
+from sessions.turn.chat_template import ChatTemplate, PastTurn, TemplateDivergence, rendering_digest
 from tests.sessions.offload_helpers import greedy_from_scratch, key_of, open_manager
 
 SYSTEM = "Be brief."

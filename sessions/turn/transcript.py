@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from sessions.chat_template import PastTurn
+from sessions.turn.chat_template import PastTurn
 
 
 @dataclass

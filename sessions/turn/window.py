@@ -16,7 +16,7 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
 Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
 positions would pass the model's position limit takes the rebuild path instead
 (`positions_overflow`), which under `attention` prefills the kept past at contiguous positions
-and evicts from it the same way (`TurnRunner._rebuild_by_attention` in `sessions/turns.py`).
+and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in `sessions/turn/preparer.py`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
 from cache.attention_scores import ObservationWindow
-from cache.session_cache import LayerSpan, SessionCache
+from cache.session_cache import LayerSpan, SessionCache, span_offsets
 from cache.token_eviction import evict_by_scores, evictable_tokens
-from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation, kept_layers
+from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
 from sessions.engine import Engine
 from sessions.engine.request import KVAccountant
 from sessions.errors import ContextTooLong
@@ -62,6 +62,45 @@ class FittedWindow:
     last_demoted: bool
     scoring_s: float = 0.0
     eviction_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class KeptLayers:
+    """The layers a demotion keeps, to be prefilled after the base (`restack_kept`).
+
+    Attributes:
+        ids: their stream ids, in order (evicted tokens included: a prefill holds every token).
+        spans: their rows at contiguous positions from the end of the base, every token held.
+    """
+
+    ids: tuple[int, ...]
+    spans: tuple[LayerSpan, ...]
+
+
+def restack_kept(
+    layers: Iterable[tuple[LayerSpan, Sequence[int]]], demote: Sequence[LayerSpan], base_tokens: int
+) -> KeptLayers:
+    """The walk every re-prefill of kept layers makes (a demotion without a RoPE layout, a
+    rebuild's kept past): skip the layers in `demote`, lay the others one after another from
+    position `base_tokens`.
+
+    Args:
+        layers: each layer's row with the stream ids it covers (`original_tokens` of them), in
+            stream order.
+        demote: rows of `layers` to drop (matched by `original_start`).
+        base_tokens: length of the base layer the kept layers follow.
+    """
+    dropped = {span.original_start for span in demote}
+    ids: list[int] = []
+    spans: list[LayerSpan] = []
+    position = base_tokens
+    for span, span_ids in layers:
+        if span.original_start in dropped:
+            continue
+        ids.extend(span_ids)
+        spans.append(replace(span, position_start=position, token_count=span.original_tokens, evicted_tokens=0))
+        position += span.original_tokens
+    return KeptLayers(tuple(ids), tuple(spans))
 
 
 class TurnWindow:
@@ -155,13 +194,11 @@ class TurnWindow:
         tokens included: that path is exact) when the model has no known RoPE layout."""
         if self.engine.rope_layout is not None:
             return demote_by_rotation(cache, demote, self.engine.rope_layout)
-        kept = kept_layers(cache, demote)
-        ids = [i for span, _, off in kept for i in cache.own_token_ids[off : off + span.original_tokens]]
-        spans, position = [], cache.base_tokens
-        for span, _, _ in kept:
-            spans.append(replace(span, position_start=position, token_count=span.original_tokens, evicted_tokens=0))
-            position += span.original_tokens
-        return self.prefill_layers(self.engine.empty_cache(cache.base), ids, spans)
+        own = [
+            (span, cache.own_token_ids[off : off + span.original_tokens]) for span, _, off in span_offsets(cache.layers)
+        ]
+        kept = restack_kept(own, demote, cache.base_tokens)
+        return self.prefill_layers(self.engine.empty_cache(cache.base), kept.ids, kept.spans)
 
     def prefill_layers(self, cache: SessionCache, ids: Sequence[int], spans: Sequence[LayerSpan]) -> SessionCache:
         """`cache` with `ids` prefilled after it as the layers `spans`, at once and outside the

@@ -11,7 +11,8 @@ the returned text:
 
 The turn is stored as its client saw it: the returned text, with its own ids and a stop token
 (what a posted history of that text stores), and the session's cache is cropped to end there, or
-not kept when no cache ends there (see `TurnRunner`). `Reply.token_ids` stays what was generated.
+not kept when no cache ends there (`sessions.turn.completion`). `Reply.token_ids` stays what was
+generated.
 """
 
 from __future__ import annotations
