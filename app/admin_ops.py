@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
 from sessions.settings import MAX_DURATION_S, Settings
 from sessions.validation import valid_id
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 
 if TYPE_CHECKING:
@@ -76,9 +76,9 @@ class AdminOps:
         """Operations on `settings.home` from this process: migrates the database to head (as a
         manager does at start-up) and loads a `SessionManager` only when an operation needs one."""
         url = settings.resolved_database_url
-        engine = make_engine(url)
-        upgrade(url, engine)
-        return cls(settings, MetadataStore(engine), load_manager or (lambda: _new_manager(settings)), owns_manager=True)
+        db = open_database(url)
+        upgrade(url, db)
+        return cls(settings, MetadataStore(db), load_manager or (lambda: _new_manager(settings)), owns_manager=True)
 
     @property
     def manager(self) -> SessionManager:
@@ -91,7 +91,7 @@ class AdminOps:
         if self._owns_manager:
             if self._manager is not None:
                 self._manager.close()
-            self.metadata.engine.dispose()
+            self.metadata.database.dispose()
 
     def __enter__(self) -> AdminOps:
         return self
@@ -269,7 +269,7 @@ class AdminOps:
 
         now = time.time()
         lease_s = self.settings.ownership_lease_s
-        rows = ReplicaStore(self.metadata.engine).list_replicas(now_unix_s=now)
+        rows = ReplicaStore(self.metadata.database).list_replicas(now_unix_s=now)
         return {
             "replica_mode": self.settings.replica_mode,
             "lease_s": lease_s,

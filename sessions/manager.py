@@ -61,7 +61,7 @@ from sessions.turns import TurnOutcome, TurnRunner
 from sessions.validation import check_text, valid_id
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.errors import SessionGone
 from storage.history_digest import history_digest
 from storage.home_lock import HomeLock, HomeLockedError
@@ -118,7 +118,7 @@ class SessionManager(SessionOps):
     def _start(self, settings: Settings, engine: Engine | None) -> None:
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        self._db = make_engine(settings.resolved_database_url)
+        self._db = open_database(settings.resolved_database_url)
         upgrade(settings.resolved_database_url, self._db)
         self.metadata = MetadataStore(self._db)
         self.idempotency = IdempotentRequests(self._db)
