@@ -142,7 +142,7 @@ class SessionManager(SessionOps):
                 self.keys.master.id,
                 ", ".join(sorted(in_use)),
             )
-        self.replica_id = replica_id_for(settings) if settings.replica_mode else None
+        self.replica_id = replica_id_for(settings.replica_config()) if settings.replica_mode else None
         self.metrics = Metrics(tenant_labels=settings.metrics_tenant_labels, replica=self.replica_id)
         self.disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
             settings.blob_dir,
@@ -151,7 +151,7 @@ class SessionManager(SessionOps):
             lambda t, n: CacheKey(TenantId(t), n),
             location=self.replica_id or "",
         )
-        self.shared_store = open_shared_store(settings, self.metadata, engine.fingerprint)
+        self.shared_store = open_shared_store(settings.redis_config(), self.metadata, engine.fingerprint)
         sealer = EncryptedCacheSealer(
             self.keys,
             engine.fingerprint,
@@ -207,7 +207,9 @@ class SessionManager(SessionOps):
         self.ownership: SessionOwnership | None = None
         if self.replica_id is not None:
             replicas = ReplicaStore(self._db)
-            self.ownership = start_ownership(settings, replicas, self.replica_id, self.tiers, self._invalidate_local)
+            self.ownership = start_ownership(
+                settings.replica_config(), replicas, self.replica_id, self.tiers, self._invalidate_local
+            )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
