@@ -28,7 +28,7 @@ from cache.ids import SessionId, TenantId
 from sessions.errors import InvalidInput, SessionNotFound
 from sessions.registry import Placement, Registry
 from sessions.settings import MAX_DURATION_S, Settings
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 from storage.replica_store import ReplicaStore
 
@@ -78,9 +78,9 @@ class AdminOps:
         """Operations on `settings.home` from this process: migrates the database to head (as a
         manager does at start-up) and loads a `SessionManager` only when an operation needs one."""
         url = settings.resolved_database_url
-        engine = make_engine(url)
-        upgrade(url, engine)
-        registry = Registry(MetadataStore(engine))
+        db = open_database(url)
+        upgrade(url, db)
+        registry = Registry(MetadataStore(db))
         return cls(settings, registry, load_manager or (lambda: _new_manager(settings)), owns_manager=True)
 
     @property
@@ -94,7 +94,7 @@ class AdminOps:
         if self._owns_manager:
             if self._manager is not None:
                 self._manager.close()
-            self.metadata.engine.dispose()
+            self.metadata.database.dispose()
 
     def __enter__(self) -> AdminOps:
         return self
@@ -269,7 +269,7 @@ class AdminOps:
         (`CHATKV_OWNERSHIP_LEASE_S`: a replica silent longer has lost its sessions)."""
         now = time.time()
         lease_s = self.settings.ownership_lease_s
-        rows = ReplicaStore(self.metadata.engine).list_replicas(now_unix_s=now)
+        rows = ReplicaStore(self.metadata.database).list_replicas(now_unix_s=now)
         return {
             "replica_mode": self.settings.replica_mode,
             "lease_s": lease_s,

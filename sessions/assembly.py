@@ -38,7 +38,7 @@ from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStor
 from sessions.registry import Registry
 from sessions.replicas import Replicas
 from sessions.replication import open_shared_store, replica_id_for, start_ownership
-from sessions.settings import Settings
+from sessions.settings import Settings, TierConfig
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
@@ -46,7 +46,7 @@ from sessions.turn.runner import TurnRunner
 from sessions.turn_service import TurnService
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.keyring import TenantKeys, load_master_key
 from storage.metadata_store import MetadataStore
 from storage.replica_store import ReplicaStore
@@ -88,18 +88,22 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         ModelUnavailable: if the model cannot be loaded (or its device is not on this machine).
         ValueError: for settings that cannot work with this model (a window above its context).
     """
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    database = make_engine(settings.resolved_database_url)
+    model = settings.model_config()
+    if model.threads:
+        torch.set_num_threads(model.threads)
+    database = open_database(settings.resolved_database_url)
     upgrade(settings.resolved_database_url, database)
     metadata = MetadataStore(database)
     if engine is None:
-        device = resolve_device(settings.device)
-        engine = Engine(load_model(settings.model, settings.resolved_model_cache_dir, device, settings.dtype))
+        engine = Engine(load_model(model.model, model.model_cache_dir, resolve_device(model.device), model.dtype))
     engine.loop.configure(settings.scheduler_config())
-    budget = _context_budget(settings, engine)
+    window = settings.window_config()
+    tier_config = settings.tier_config()
+    budget = window.budget_tokens(engine.max_context_tokens)
     keys = _tenant_keys(settings, metadata)
-    replicas = Replicas(replica_id_for(settings) if settings.replica_mode else None, settings.replica_url)
+    replicas = Replicas(
+        replica_id_for(settings.replica_config()) if settings.replica_mode else None, settings.replica_url
+    )
     metrics = Metrics(tenant_labels=settings.metrics_tenant_labels, replica=replicas.replica_id)
     disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
         settings.blob_dir,
@@ -108,11 +112,11 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         lambda t, n: CacheKey(TenantId(t), n),  # session and base-layer blobs alike
         location=replicas.replica_id or "",
     )
-    shared_store = open_shared_store(settings, metadata, engine.fingerprint)
+    shared_store = open_shared_store(settings.redis_config(), metadata, engine.fingerprint)
     sealer = EncryptedCacheSealer(
-        keys, engine.fingerprint, engine.device, settings.offload_precision, settings.quant_residual_tokens
+        keys, engine.fingerprint, engine.device, tier_config.offload_precision, tier_config.quant_residual_tokens
     )
-    tiers = _tier_manager(settings, engine, sealer, disk_store, shared_store, metrics, replicas)
+    tiers = _tier_manager(tier_config, engine, sealer, disk_store, shared_store, metrics, replicas)
     remove_temp_files(settings.home)
     template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
     runner = TurnRunner(
@@ -121,11 +125,11 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         tiers=tiers,
         window=WindowPolicy(
             budget,
-            policy=settings.window_policy,
-            recent_tokens=settings.window_recent_tokens,
-            observation_tokens=settings.window_observation_tokens,
+            policy=window.window_policy,
+            recent_tokens=window.window_recent_tokens,
+            observation_tokens=window.window_observation_tokens,
         ),
-        share_base=settings.share_base,
+        share_base=tier_config.share_base,
         reuse_kv=settings.reuse_kv,
     )
     metrics.watch_tiers(tiers.usage)
@@ -178,7 +182,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
             fingerprint=engine.fingerprint,
             max_context_tokens=engine.max_context_tokens,
             context_budget_tokens=budget,
-            pin_first_turn=settings.pin_first_turn,
+            pin_first_turn=window.pin_first_turn,
         ),
         turns=TurnService(
             registry=registry,
@@ -194,7 +198,9 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     )
     if replicas.replica_id is not None:
         invalidate = _local_invalidation(transcripts, tiers)
-        replicas.start(start_ownership(settings, ReplicaStore(database), replicas.replica_id, tiers, invalidate))
+        replicas.start(
+            start_ownership(settings.replica_config(), ReplicaStore(database), replicas.replica_id, tiers, invalidate)
+        )
     return parts
 
 
@@ -223,15 +229,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _context_budget(settings: Settings, engine: Engine) -> int:
-    budget = settings.context_budget_tokens or int(engine.max_context_tokens * 0.8)
-    if budget > engine.max_context_tokens:
-        raise ValueError(
-            f"context_budget_tokens={budget} exceeds the model's context ({engine.max_context_tokens} tokens)"
-        )
-    return budget
-
-
 def _tenant_keys(settings: Settings, metadata: MetadataStore) -> TenantKeys:
     in_use = {t.master_key_id for t in metadata.list_tenants() if t.master_key_id}
     keys = TenantKeys(metadata, load_master_key(settings.home, settings.master_key, in_use))
@@ -246,7 +243,7 @@ def _tenant_keys(settings: Settings, metadata: MetadataStore) -> TenantKeys:
 
 
 def _tier_manager(
-    settings: Settings,
+    config: TierConfig,
     engine: Engine,
     sealer: EncryptedCacheSealer,
     disk_store: DiskBlobStore[CacheKey],
@@ -266,13 +263,13 @@ def _tier_manager(
         host=TierBlobStore(HostBlobStore[CacheKey]()),
         disk=TierBlobStore(disk_store),
         budgets=TierBudgets(
-            device_bytes=settings.device_budget_bytes or 0,
-            host_bytes=settings.host_budget_bytes or 0,
-            disk_bytes=settings.disk_budget_bytes or 0,
-            tenant_device_quota_bytes=settings.tenant_device_quota_bytes or 0,
+            device_bytes=config.device_budget_bytes,
+            host_bytes=config.host_budget_bytes,
+            disk_bytes=config.disk_budget_bytes,
+            tenant_device_quota_bytes=config.tenant_device_quota_bytes,
         ),
         base_builder=build_base,
-        write_back=settings.persist == "write_back",
+        write_back=config.write_back,
         events=metrics,
         shared=shared_store,
         may_publish=replicas.may_publish,

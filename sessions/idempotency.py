@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from sqlalchemy import Engine
+import sqlalchemy
 
 from sessions.errors import InvalidInput
 from storage.idempotency_store import Claimed, ClaimOutcome, IdempotencyStore, InProgress, KeyReused, Replay
@@ -28,8 +28,8 @@ __all__ = ["ClaimOutcome", "Claimed", "IdempotentRequests", "InProgress", "KeyRe
 class IdempotentRequests:
     """Idempotency keys of one manager's tenants (see the module docstring). Thread-safe."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._store = IdempotencyStore(engine, ttl_s=IDEMPOTENCY_TTL_S, stale_s=IDEMPOTENCY_STALE_S)
+    def __init__(self, database: sqlalchemy.Engine) -> None:
+        self._store = IdempotencyStore(database, ttl_s=IDEMPOTENCY_TTL_S, stale_s=IDEMPOTENCY_STALE_S)
 
     def claim(self, tenant_id: str, key: str, route: str, body: bytes) -> ClaimOutcome:
         """Claim `key` for the request `route` + `body` (bytes as received).

@@ -1,4 +1,5 @@
-"""Database engine creation and schema migrations (Alembic, run programmatically).
+"""Opening the database (a SQLAlchemy `Engine`: its connection pool) and schema migrations (Alembic,
+run programmatically).
 
 SQLite gets WAL journaling (readers do not block the writer) and enforced foreign keys;
 PostgreSQL works unchanged; other databases are refused.
@@ -29,11 +30,15 @@ ALEMBIC_INI = Path(__file__).resolve().parent.parent / "alembic.ini"
 
 
 class Repository:
-    """Base of the stores over one SQLAlchemy database: each method is one unit of work."""
+    """Base of the stores over one SQLAlchemy database: each method is one unit of work.
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._sessionmaker = sessionmaker(engine, expire_on_commit=False)
+    Args:
+        database: the SQLAlchemy engine of the database (`open_database`).
+    """
+
+    def __init__(self, database: Engine) -> None:
+        self.database = database
+        self._sessionmaker = sessionmaker(database, expire_on_commit=False)
 
     @contextmanager
     def _unit(self) -> Iterator[Session]:
@@ -42,8 +47,9 @@ class Repository:
             yield session
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`; for SQLite, creates the parent folder and turns on WAL and foreign keys.
+def open_database(url: str) -> Engine:
+    """The SQLAlchemy engine (connection pool) of the database at `url`; for SQLite, creates the
+    parent folder and turns on WAL and foreign keys.
 
     Raises:
         ValueError: if `url` is not a valid SQLAlchemy URL, or names neither SQLite nor PostgreSQL.
@@ -119,7 +125,7 @@ def upgrade(url: str, engine: Engine | None = None) -> None:
     """Apply every pending migration (`chatkv db upgrade`; also run at start-up)."""
     config = alembic_config(url)
     if engine is None:
-        engine = make_engine(url)
+        engine = open_database(url)
     with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             # Replicas starting together would otherwise race to create the same tables; the lock

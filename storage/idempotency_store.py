@@ -62,8 +62,8 @@ class IdempotencyStore(Repository):
         stale_s: how long a `running` row blocks its key before it is taken over (seconds).
     """
 
-    def __init__(self, engine: Engine, *, ttl_s: float, stale_s: float) -> None:
-        super().__init__(engine)
+    def __init__(self, database: Engine, *, ttl_s: float, stale_s: float) -> None:
+        super().__init__(database)
         if ttl_s <= 0 or stale_s <= 0:
             raise ValueError(f"ttl_s and stale_s must be > 0 seconds, got {ttl_s} and {stale_s}")
         self.ttl_s = ttl_s

@@ -441,9 +441,9 @@ class MetadataStore(Repository):
         }
         unique = ("tenant_id", "name", "location")
         statement: postgresql.Insert | sqlite.Insert
-        if self.engine.dialect.name == "postgresql":
+        if self.database.dialect.name == "postgresql":
             statement = postgresql.insert(CacheBlobRow).values(**values)
-        else:  # `make_engine` admits SQLite and PostgreSQL only
+        else:  # `open_database` admits SQLite and PostgreSQL only
             statement = sqlite.insert(CacheBlobRow).values(**values)
         upsert = statement.on_conflict_do_update(
             index_elements=unique, set_={c: statement.excluded[c] for c in values if c not in unique}

@@ -13,7 +13,7 @@ from app.cli.home import domain_errors, home_dir, settings_for
 from storage.home_lock import check_unlocked
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
+    import sqlalchemy
 
     from sessions.settings import Settings
 
@@ -23,18 +23,18 @@ db_app = typer.Typer(
 
 
 @contextmanager
-def _database(settings: Settings) -> Iterator[Engine]:
-    from storage.database import make_engine
+def _database(settings: Settings) -> Iterator[sqlalchemy.Engine]:
+    from storage.database import open_database
 
     try:
-        engine = make_engine(settings.resolved_database_url)
+        database = open_database(settings.resolved_database_url)
     except ValueError as exc:  # not a database URL
         raise CLIError(f"CHATKV_DATABASE_URL: {exc}", 2) from None
     try:
         with domain_errors():
-            yield engine
+            yield database
     finally:
-        engine.dispose()
+        database.dispose()
 
 
 @db_app.command("upgrade")
@@ -44,9 +44,9 @@ def db_upgrade(ctx: typer.Context) -> None:
 
     check_unlocked(home_dir(ctx.obj))
     settings = settings_for(ctx.obj)
-    with _database(settings) as engine:
-        upgrade(settings.resolved_database_url, engine)
-        typer.echo(f"database at revision {current_revision(engine)} (head)")
+    with _database(settings) as database:
+        upgrade(settings.resolved_database_url, database)
+        typer.echo(f"database at revision {current_revision(database)} (head)")
 
 
 @db_app.command("current")
@@ -54,8 +54,8 @@ def db_current(ctx: typer.Context) -> None:
     """Print the database's migration revision and the newest one."""
     from storage.database import current_revision, head_revision
 
-    with _database(settings_for(ctx.obj)) as engine:
-        current, head = current_revision(engine), head_revision()
+    with _database(settings_for(ctx.obj)) as database:
+        current, head = current_revision(database), head_revision()
     if current == head:
         typer.echo(f"{current} (head)")
     else:

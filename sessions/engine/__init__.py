@@ -1,5 +1,6 @@
-"""The engine: the loaded model (`Engine`) and the loop that batches every running request into
-each forward pass (`loop`, `scheduler`, `batch`, `request`). See docs/architecture.md, "Engine loop".
+"""The engine: the front (`Engine`) over the model runner (`ModelRunner`: the loaded model, one
+forward pass) and the loop that batches every running request into each forward pass (`loop`,
+`scheduler`, `batch`, `request`). See docs/architecture.md, "Engine loop".
 
 Names are imported on first use, so `sessions.engine.config` stays importable without torch.
 """
@@ -11,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sessions.engine.config import SchedulerConfig
-    from sessions.engine.model_runner import Engine, KVLayout
+    from sessions.engine.engine import Engine
+    from sessions.engine.model_runner import KVLayout, ModelRunner
     from sessions.engine.request import Request, RequestCancelled, RequestResult, RequestState
 
 _HOMES = {
-    "Engine": "model_runner",
+    "Engine": "engine",
     "KVLayout": "model_runner",
+    "ModelRunner": "model_runner",
     "Request": "request",
     "RequestCancelled": "request",
     "RequestResult": "request",
@@ -27,6 +30,7 @@ _HOMES = {
 __all__ = [
     "Engine",
     "KVLayout",
+    "ModelRunner",
     "Request",
     "RequestCancelled",
     "RequestResult",

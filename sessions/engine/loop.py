@@ -58,7 +58,7 @@ class EngineLoop:
 
     Args:
         forward: runs the model on a packed batch and returns `[len(batch.logits_indices), vocab]`
-            logits (the `Engine`).
+            logits (the `ModelRunner`'s `forward`, looked up by the `Engine` at each step).
         device: where the packed input tensors are built.
         config: the scheduler's limits.
     """

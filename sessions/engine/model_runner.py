@@ -1,28 +1,20 @@
-"""The model runner: the loaded model, its KV layout, and one forward pass over a packed step.
+"""The model runner: the loaded model, the facts the rest of chatkv reads off it (KV layout, stop
+ids, RoPE layout, context length), and one forward pass over a packed step.
 
-`Engine.forward` is called by the engine loop only (`sessions.engine.loop`), the one thread that runs
-the model. Everything else goes through requests: `prefill` and `generate` submit one and wait.
+`ModelRunner.forward` is called by the engine loop only (`sessions.engine.loop`), the one thread that
+runs the model; the `Engine` (`sessions.engine.engine`) owns both and is what callers use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cache.ids import TenantId
 from cache.rope import RopeLayout, rope_layout
-from cache.session_cache import BaseLayer, SessionCache, WorkingCache
+from cache.session_cache import BaseLayer, SessionCache
 from sessions.engine.batch import NO_MASK, STEP_KWARG, PackedBatch, StepCache, register_packed_attention
-from sessions.engine.config import SchedulerConfig
-from sessions.engine.loop import EngineLoop
-from sessions.engine.request import Request
 from sessions.model_source import LoadedModel
-from sessions.sampling import SamplingParams
-
-ENGINE_TENANT = TenantId("chatkv-engine")
-"""Tenant of the engine's own prefill-only jobs (a base layer recomputed, kept turns re-prefilled)."""
 
 
 @dataclass(frozen=True)
@@ -40,23 +32,24 @@ class KVLayout:
         return 2 * self.num_model_layers * self.kv_heads * self.head_dim * element
 
 
-class Engine:
-    """Runs one loaded model through its engine loop. Thread-safe: every model call is a request.
+class ModelRunner:
+    """Runs one loaded model over packed steps: what the engine loop calls once per step.
 
     Attributes:
-        max_context_tokens: the model's `max_position_embeddings`.
-        stop_token_ids: ids that end a reply (the generation config's and tokenizer's EOS).
+        loaded, model, tokenizer, fingerprint: the model as loaded (`sessions.model_source`).
+        device, dtype: where and in what precision the weights (and so every KV cache) live.
+        layout: one token's KV shape (`KVLayout`).
+        max_context_tokens: the model's `max_position_embeddings` (2048 when the config has none).
+        stop_token_ids: ids that end a reply (the generation config's and tokenizer's EOS), sorted.
         rope_layout: the model's RoPE layout when cached keys can be re-rotated (see `cache.rope`),
             else `None` (windowing then re-prefills).
-        loop: the engine loop (started by the first request).
 
     Args:
         loaded: the model; its attention implementation is switched to the packed one (which falls
-            back to the original for ordinary calls).
-        scheduler: the loop's limits (default `SchedulerConfig()`).
+            back to the original for ordinary calls), once even when several runners share it.
     """
 
-    def __init__(self, loaded: LoadedModel, scheduler: SchedulerConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -77,8 +70,6 @@ class Engine:
         original = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
         if not original.startswith("chatkv_packed_"):
             self.model.set_attn_implementation(register_packed_attention(original))
-        # Looked up at each step, so a test can wrap `forward` to watch the passes.
-        self.loop = EngineLoop(lambda batch: self.forward(batch), self.device, scheduler or SchedulerConfig())
 
     def _stop_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -90,21 +81,10 @@ class Engine:
                 ids.update(int(i) for i in eos)
         return tuple(sorted(ids))
 
-    # -- caches --------------------------------------------------------------------------------
-
     def empty_cache(self, base: BaseLayer | None) -> SessionCache:
+        """A session cache holding only `base` (or nothing), shaped for this model's KV."""
         like = torch.empty(1, self.layout.kv_heads, 0, self.layout.head_dim, dtype=self.dtype, device=self.device)
         return SessionCache.empty(base, self.layout.num_model_layers, like)
-
-    def compute_prefix(self, token_ids: Sequence[int]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """KV of `token_ids` at positions `0..n-1`: per model layer `[1, kv_heads, n, head_dim]`."""
-        working = self.empty_cache(None).to_working_cache(len(token_ids))
-        self.prefill(working, token_ids)
-        keys = tuple(layer.filled_keys.clone() for layer in working.prealloc_layers)
-        values = tuple(layer.filled_values.clone() for layer in working.prealloc_layers)
-        return keys, values
-
-    # -- running the model ---------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -120,36 +100,3 @@ class Engine:
             **{STEP_KWARG: batch},
         )
         return out.logits[0]
-
-    def prefill(self, cache: WorkingCache, token_ids: Sequence[int]) -> torch.Tensor:
-        """Run `token_ids` through the model on top of `cache` (positions continue from its
-        `next_position`) and return the `[vocab]` logits of the last one. Waits for the engine loop.
-
-        Raises:
-            ValueError: if `token_ids` is empty.
-        """
-        request = Request(tenant_id=ENGINE_TENANT, prefill_ids=token_ids, params=None, working=cache)
-        result = self.loop.submit(request).result()
-        if result.last_logits is None:
-            raise RuntimeError("bug: a prefill-only request returned no logits")
-        return result.last_logits
-
-    def generate(self, cache: WorkingCache, token_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Prefill `token_ids` on top of `cache`, then yield sampled ids until a stop token or
-        `params.max_new_tokens`. Every yielded id but the last is fed back into `cache`.
-
-        Raises:
-            ValueError: if `token_ids` is empty.
-        """
-        request = Request(
-            tenant_id=ENGINE_TENANT,
-            prefill_ids=token_ids,
-            params=params,
-            working=cache,
-            stop_token_ids=self.stop_token_ids,
-        )
-        stream = self.loop.submit(request).tokens()
-        try:
-            yield from stream
-        finally:
-            request.cancel()

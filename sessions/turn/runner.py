@@ -176,7 +176,7 @@ class TurnRunner:
         ttft_s = 0.0
         decode_started = time.perf_counter()
         with self._running(lease.key, request, cancel):
-            stream = engine.loop.submit(request).tokens()
+            stream = engine.submit(request).tokens()
             while True:
                 try:
                     token = next(stream)

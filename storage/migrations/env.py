@@ -11,7 +11,7 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from storage.database import database_url_from_env, make_engine
+from storage.database import database_url_from_env, open_database
 from storage.schema import Base
 
 config = context.config
@@ -43,7 +43,7 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = make_engine(_url())
+    engine = open_database(_url())
     with engine.connect() as conn:
         context.configure(connection=conn, target_metadata=target_metadata, compare_type=True, render_as_batch=True)
         with context.begin_transaction():

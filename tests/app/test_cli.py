@@ -25,7 +25,7 @@ from cache.serialization import FORMAT_VERSION
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.ownership import SessionOwnership
-from storage.database import head_revision, make_engine, upgrade
+from storage.database import head_revision, open_database, upgrade
 from storage.home_lock import program_name
 from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, open_sealed, parse_master_key
 from storage.metadata_store import MetadataStore
@@ -152,7 +152,7 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
     assert not (home / "blobs" / acme).exists()
     database_bytes = b"".join(path.read_bytes() for path in home.glob("chatkv.db*"))  # WAL included
     assert wrapped.wrapped_data_key not in database_bytes
-    metadata = MetadataStore(make_engine(f"sqlite:///{home / 'chatkv.db'}"))
+    metadata = MetadataStore(open_database(f"sqlite:///{home / 'chatkv.db'}"))
     assert metadata.get_tenant(tenant_id=acme) is None
     assert {b.tenant_id for b in metadata.list_blobs()} == {globex}
     with SessionManager(make_settings(home), engine=tiny_engine) as manager:
@@ -162,7 +162,7 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
     for key in (parse_master_key(MASTER_KEY), globex_key):  # every key the system still has
         with pytest.raises(AuthenticationFailed):
             open_sealed(key, blob, aad)
-    metadata.engine.dispose()
+    metadata.database.dispose()
 
 
 # -- sessions ----------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_replica_start_up_failures_exit_with_one_line(
     )
     assert message.startswith("error: redis: Redis Cluster at") and "does not answer" in message
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    engine = make_engine(url)
+    engine = open_database(url)
     upgrade(url, engine)
     live = SessionOwnership(
         ReplicaStore(engine),
@@ -398,7 +398,7 @@ def test_stats_and_master_key_rotation(cli: Cli, home: Path, tiny_engine: Engine
 def test_gc_deletes_sessions_past_retention(cli: Cli, home: Path, tiny_engine: Engine) -> None:
     sessions = _populate(home, tiny_engine, "acme", "globex", turns=1)
     old = sessions["acme"]
-    engine = make_engine(f"sqlite:///{home / 'chatkv.db'}")
+    engine = open_database(f"sqlite:///{home / 'chatkv.db'}")
     with engine.begin() as db:
         db.execute(
             update(SessionRow).where(SessionRow.id == old).values(last_active_at=datetime.now(UTC) - timedelta(days=40))

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from app.cli import app
 from sessions.engine import Engine as ModelEngine
 from sessions.manager import SessionManager
-from storage.database import make_engine
+from storage.database import open_database
 from storage.schema import CacheBlobRow, SessionOwnerRow
 from tests.app.replica_processes import Replica, replicas
 from tests.conftest import cli_environment, make_settings
@@ -117,7 +117,7 @@ def reference(replica: Replica, api_key: str, contents: list[str]) -> list[str]:
 
 def wait_until(database_url: str, done: Callable[[Connection], bool], what: str) -> None:
     """Poll the shared database (every 0.1 s, up to 30 s) until `done(connection)`."""
-    engine = make_engine(database_url)
+    engine = open_database(database_url)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -205,7 +205,7 @@ def test_turns_alternating_between_replicas_equal_one_replica_and_restore_from_r
     assert replies == reference(a, key, MESSAGES)
     assert history(b, key, session_id) == [m for pair_ in zip(MESSAGES, replies, strict=True) for m in pair_]
     # One lease row; its epoch grew with every hand-over (A, B, A, B, and A again for the reference).
-    engine = make_engine(module_database_url)
+    engine = open_database(module_database_url)
     try:
         with engine.connect() as connection:
             owners = connection.execute(

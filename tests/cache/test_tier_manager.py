@@ -21,7 +21,7 @@ from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, CacheSealer, Tier
 from sessions.offload import EncryptedCacheSealer, TierBlobStore
 from storage.blob_stores import DiskBlobStore, HostBlobStore
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.keyring import MasterKey, TenantKeys, key_id
 from storage.metadata_store import MetadataStore
 
@@ -96,7 +96,7 @@ def budgets(device: int = BIG, host: int = BIG, disk: int = BIG, quota: int | No
 def make_rig(tmp_path: Path) -> Iterator:
     """Builds rigs on one SQLite database and blob folder (a second rig is a restart)."""
     url = f"sqlite:///{tmp_path / 'chatkv.db'}"
-    engine = make_engine(url)
+    engine = open_database(url)
     upgrade(url, engine)
     metadata = MetadataStore(engine)
     master = MasterKey(bytes(32), key_id(bytes(32)), from_env=True)

@@ -171,7 +171,7 @@ def test_switching_to_turns_without_a_rope_layout_re_prefills_the_kept_layers_wh
     sid = evicted_session(home, tiny_engine)
     # A model whose keys cannot be re-rotated demotes by re-prefilling the layers that stay: the
     # tokens the attention policy evicted from them come back, at contiguous positions.
-    monkeypatch.setattr(tiny_engine, "rope_layout", None)
+    monkeypatch.setattr(tiny_engine.runner, "rope_layout", None)
     with open_manager(home, tiny_engine, window_policy="turns") as manager:
         demoted = 0
         for message in MESSAGES[7:]:
@@ -195,7 +195,7 @@ def test_switching_to_turns_without_a_rope_layout_re_prefills_the_kept_layers_wh
 def test_positions_past_the_model_limit_rebuild_the_window(
     tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tiny_engine, "max_context_tokens", 320)
+    monkeypatch.setattr(tiny_engine.runner, "max_context_tokens", 320)
     with open_manager(tmp_path / "home", tiny_engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)

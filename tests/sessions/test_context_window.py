@@ -131,7 +131,7 @@ def test_reprefill_mode_reply_after_windowing_equals_a_fresh_prefill_of_base_and
 ) -> None:
     # The same model, told its RoPE cannot be shifted: windowing must re-prefill the kept turns.
     engine = Engine(real_engine.loaded)
-    engine.rope_layout = None
+    engine.runner.rope_layout = None
     settings = make_settings(tmp_path / "home", context_budget_tokens=160)
     with SessionManager(settings, engine=engine) as manager:
         tenant = manager.create_tenant("acme")

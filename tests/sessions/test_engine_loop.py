@@ -96,15 +96,15 @@ def engine_tenant(i: int) -> str:
 def test_eight_requests_in_one_batch_give_their_solo_logits(engine_name: str, request: pytest.FixtureRequest) -> None:
     engine: Engine = request.getfixturevalue(engine_name)
     steps: list[int] = []
-    forward = engine.forward
-    engine.forward = lambda batch: (steps.append(len(batch.segments)), forward(batch))[1]  # type: ignore[method-assign]
+    forward = engine.runner.forward
+    engine.runner.forward = lambda batch: (steps.append(len(batch.segments)), forward(batch))[1]  # type: ignore[method-assign]
     try:
         solo = greedy_logits(engine, PROMPTS, concurrent=False)
         solo_steps = list(steps)
         steps.clear()
         batched = greedy_logits(engine, PROMPTS, concurrent=True)
     finally:
-        del engine.forward  # back to the class's method
+        del engine.runner.forward  # back to the class's method
     assert max(solo_steps) == 1 and max(steps) == 8  # solo ran alone; the batch really was batched
     worst = 0.0
     for (solo_ids, solo_logits), (ids, logits) in zip(solo, batched, strict=True):
@@ -159,17 +159,17 @@ def test_closing_a_stream_cancels_the_request_and_frees_its_kv(tiny_manager: Ses
 def hold_the_loop(engine: Engine) -> tuple[threading.Event, threading.Event, Callable[[], None]]:
     """Make the next forward pass wait until released: (entered, release, undo)."""
     entered, release = threading.Event(), threading.Event()
-    forward = engine.forward
+    forward = engine.runner.forward
 
     def held(batch: PackedBatch) -> torch.Tensor:
         entered.set()
         release.wait(timeout=60)
         return forward(batch)
 
-    engine.forward = held  # type: ignore[method-assign]
+    engine.runner.forward = held  # type: ignore[method-assign]
 
     def undo() -> None:
-        del engine.forward
+        del engine.runner.forward
 
     return entered, release, undo
 
@@ -260,8 +260,8 @@ def test_a_long_prefill_shares_each_step_with_the_running_decode(tmp_path: Path,
         tenant = manager.create_tenant("acme")
         short, long = manager.open_session(tenant), manager.open_session(tenant)
         steps: list[list[int]] = []
-        forward = tiny_engine.forward
-        tiny_engine.forward = lambda b: (steps.append([s.length for s in b.segments]), forward(b))[1]  # type: ignore[method-assign]
+        forward = tiny_engine.runner.forward
+        tiny_engine.runner.forward = lambda b: (steps.append([s.length for s in b.segments]), forward(b))[1]  # type: ignore[method-assign]
         try:
             stream = manager.stream_chat(tenant, short, "hi", max_new_tokens=60, temperature=1.0, seed=1)
             next(stream)  # decoding now
@@ -269,7 +269,7 @@ def test_a_long_prefill_shares_each_step_with_the_running_decode(tmp_path: Path,
             reply = manager.chat(tenant, long, "word " * 150, max_new_tokens=2)
             rest = list(stream)
         finally:
-            del tiny_engine.forward
+            del tiny_engine.runner.forward
             tiny_engine.loop.configure(SchedulerConfig())
         assert reply.stats.prefill_tokens > 150 and isinstance(rest[-1], Reply)
         chunked = [s for s in steps if max(s) > 1]
@@ -314,7 +314,7 @@ def test_one_requests_bad_logits_fail_only_that_request(tiny_manager: SessionMan
     assert isinstance(alone, Reply)
     want = alone.token_ids
     entered, release, undo = hold_the_loop(engine)
-    forward = engine.forward
+    forward = engine.runner.forward
     poisoned: list[int] = []
 
     def nan_once(batch: PackedBatch) -> torch.Tensor:
@@ -334,14 +334,14 @@ def test_one_requests_bad_logits_fail_only_that_request(tiny_manager: SessionMan
             t.start()
         assert entered.wait(30)
         undo()
-        engine.forward = nan_once  # type: ignore[method-assign]
+        engine.runner.forward = nan_once  # type: ignore[method-assign]
         release.set()
         for t in threads:
             t.join(60)
     finally:
         release.set()
-        if "forward" in vars(engine):
-            del engine.forward
+        if "forward" in vars(engine.runner):
+            del engine.runner.forward
     assert poisoned
     failed = [r for r in results if isinstance(r, RuntimeError)]
     assert len(failed) == 1, results

@@ -479,7 +479,7 @@ def test_an_edited_token_ids_row_neither_breaks_the_session_nor_reuses_a_stale_c
         sid = manager.open_session(tenant)
         manager.chat(tenant, sid, "hello", max_new_tokens=6)
     with SessionManager(make_settings(home), engine=tiny_engine) as manager:
-        with manager.metadata.engine.begin() as connection:
+        with manager.metadata.database.begin() as connection:
             connection.execute(
                 update(MessageRow)
                 .where(MessageRow.session_id == sid, MessageRow.role == "assistant")

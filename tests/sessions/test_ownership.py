@@ -20,7 +20,7 @@ from app.http.api_errors import OWNER_URL_HEADER, response_for
 from cache.tiers import CacheKey
 from sessions.errors import ReplicaRetired, SessionBusy, SessionNotFound, SessionOwnedElsewhere
 from sessions.ownership import SessionOwnership
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.errors import StorageError
 from storage.metadata_store import MetadataStore
 from storage.replica_store import ReplicaIdInUse, ReplicaStore
@@ -32,7 +32,7 @@ KEY = CacheKey("tn_a", "s_1")
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[Engine]:
     url = f"sqlite:///{tmp_path / 'chatkv.db'}"
-    engine = make_engine(url)
+    engine = open_database(url)
     upgrade(url, engine)
     add_session(MetadataStore(engine), "tn_a", "s_1")
     yield engine

@@ -20,7 +20,7 @@ from cache.ids import SessionId, TenantId
 from cache.tiers import BlobRejected, CacheKey
 from sessions.engine import Engine
 from sessions.offload import EncryptedCacheSealer
-from storage.database import make_engine
+from storage.database import open_database
 from storage.keyring import TenantKeys, load_master_key
 from storage.metadata_store import MetadataStore
 from tests.conftest import MASTER_KEY, MODEL_CACHE, REPO
@@ -100,7 +100,7 @@ def test_a_session_resumes_from_disk_in_a_new_process(tmp_path: Path, never_left
 def blob_is_current(home: Path, fingerprint: str, tenant_id: str, session_id: str) -> bool:
     """Whether the session's disk blob holds its cache up to the last committed turn (opened with
     the real key ring, as a restart would)."""
-    engine = make_engine(f"sqlite:///{home / 'chatkv.db'}")
+    engine = open_database(f"sqlite:///{home / 'chatkv.db'}")
     try:
         metadata = MetadataStore(engine)
         session = metadata.get_session(tenant_id=tenant_id, session_id=session_id)

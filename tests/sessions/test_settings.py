@@ -3,14 +3,22 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 import pytest
 
-from sessions.settings import Settings, env_variable
+from sessions.settings import (
+    ModelConfig,
+    RedisConfig,
+    ReplicaConfig,
+    Settings,
+    TierConfig,
+    WindowConfig,
+    env_variable,
+)
 
 # One value per field, as text in the environment and as the field holds it.
 ENVIRONMENT: dict[str, tuple[str, Any]] = {
@@ -201,3 +209,115 @@ def test_an_integer_setting_takes_ascii_digits_only(text: str, monkeypatch: pyte
     monkeypatch.setenv("CHATKV_MAX_STEP_TOKENS", text or " ")
     with pytest.raises(ValueError, match="CHATKV_MAX_STEP_TOKENS"):
         Settings()
+
+
+# -- sub-configs -------------------------------------------------------------------------------
+
+
+def environment_settings(monkeypatch: pytest.MonkeyPatch) -> Settings:
+    for name, (text, _) in ENVIRONMENT.items():
+        monkeypatch.setenv(env_variable(name), text)
+    return Settings()
+
+
+def test_the_model_config_carries_the_model_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = environment_settings(monkeypatch).model_config()
+    assert config == ModelConfig(
+        model="/models/smol", model_cache_dir=Path("/srv/models"), device="cpu", dtype="bfloat16", threads=3
+    )
+    monkeypatch.delenv("CHATKV_MODEL_CACHE_DIR")
+    assert Settings(home=Path("/srv/h")).model_config().model_cache_dir == Path("/srv/h/models")
+    with pytest.raises(ValueError, match=r"^device must be auto, cpu, cuda, cuda:N or mps, got 'tpu'$"):
+        replace(config, device="tpu")
+    with pytest.raises(ValueError, match=r"^threads must be >= 1, got 0$"):
+        replace(config, threads=0)
+
+
+def test_the_window_config_carries_the_window_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = environment_settings(monkeypatch).window_config()
+    assert config == WindowConfig(
+        context_budget_tokens=1024,
+        window_policy="attention",
+        window_recent_tokens=48,
+        window_observation_tokens=16,
+        pin_first_turn=True,
+    )
+    assert config.budget_tokens(2048) == 1024
+    assert replace(config, context_budget_tokens=None).budget_tokens(2048) == 1638  # 80% of the context
+    with pytest.raises(ValueError, match=r"^context_budget_tokens=1024 exceeds the model's context \(512 tokens\)$"):
+        config.budget_tokens(512)
+    with pytest.raises(ValueError, match=r"^window_policy must be 'turns' or 'attention', got 'h2o'$"):
+        replace(config, window_policy="h2o")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^window_recent_tokens must be below context_budget_tokens \(1024\)"):
+        replace(config, window_recent_tokens=1024)
+    assert replace(config, window_policy="turns", window_recent_tokens=1024).window_recent_tokens == 1024
+
+
+def test_the_tier_config_carries_the_tier_fields_with_derived_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = environment_settings(monkeypatch).tier_config()
+    assert config == TierConfig(
+        device_budget_bytes=2**30,
+        host_budget_bytes=512 * 2**20,
+        disk_budget_bytes=2 * 10**9,
+        tenant_device_quota_bytes=256 * 2**20,
+        persist="on_evict",
+        offload_precision="int8",
+        quant_residual_tokens=16,
+        share_base=False,
+    )
+    assert not config.write_back
+    monkeypatch.delenv("CHATKV_TENANT_DEVICE_QUOTA_BYTES")
+    monkeypatch.delenv("CHATKV_PERSIST")
+    derived = Settings(device_budget_bytes=2**20).tier_config()  # the quota defaults to the device budget
+    assert (derived.tenant_device_quota_bytes, derived.write_back) == (2**20, True)
+    with pytest.raises(
+        ValueError,
+        match=r"^tenant_device_quota_bytes must be in 1..device_budget_bytes \(1073741824\), got 2147483648$",
+    ):
+        replace(config, tenant_device_quota_bytes=2**31)
+    with pytest.raises(ValueError, match=r"^host_budget_bytes must be set, got None$"):
+        replace(config, host_budget_bytes=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^offload_precision must be 'exact', 'int8' or 'int4', got 'fp8'$"):
+        replace(config, offload_precision="fp8")  # type: ignore[arg-type]
+
+
+def test_the_redis_config_carries_the_redis_fields_and_is_none_without_a_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = environment_settings(monkeypatch).redis_config()
+    assert config == RedisConfig(
+        redis_url="redis://cache.internal:6379/0",
+        redis_cluster=True,
+        redis_ttl_s=2 * 86400.0,
+        redis_budget_bytes=1 << 30,
+        redis_prefix="chatkv-prod",
+    )
+    monkeypatch.delenv("CHATKV_REDIS_URL")
+    assert Settings().redis_config() is None
+    with pytest.raises(ValueError, match=r"^redis_url must be set, got None$"):
+        replace(config, redis_url=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^redis_ttl_s must be in \[1 s, 100 years\], got 0.5$"):
+        replace(config, redis_ttl_s=0.5)
+
+
+def test_the_replica_config_carries_the_replica_and_ownership_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = environment_settings(monkeypatch).replica_config()
+    assert config == ReplicaConfig(
+        replica_id="replica-a",
+        replica_id_file=Path("/srv/chatkv/replica.id"),
+        replica_url="http://10.0.0.5:8000",
+        ownership_lease_s=20.0,
+        ownership_wait_s=5.0,
+        ownership_idle_s=120.0,
+    )
+    with pytest.raises(ValueError, match=r"^replica_id must be 1-32 of A-Z a-z 0-9 _ . -, got 'a/b'$"):
+        replace(config, replica_id="a/b")
+    with pytest.raises(ValueError, match=r"^ownership_lease_s must be in \[0.5, 3600\] seconds, got 0.1$"):
+        replace(config, ownership_lease_s=0.1)
+
+
+def test_the_default_settings_build_every_sub_config(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path)
+    assert settings.redis_config() is None
+    assert settings.replica_config().replica_id_file == tmp_path / "replica.id"
+    assert settings.window_config().context_budget_tokens is None
+    assert settings.tier_config().device_budget_bytes == settings.device_budget_bytes
+    assert settings.model_config().model == "default"

@@ -85,13 +85,13 @@ def test_a_new_system_prompt_is_prefilled_in_the_first_turns_own_forward_pass(
 ) -> None:  # type: ignore[no-untyped-def]
     engine = tiny_manager.engine
     passes: list[int] = []
-    forward = engine.forward
+    forward = engine.runner.forward
 
     def counting(batch):  # type: ignore[no-untyped-def]
         passes.append(batch.input_ids.shape[1])
         return forward(batch)
 
-    monkeypatch.setattr(engine, "forward", counting)
+    monkeypatch.setattr(engine.runner, "forward", counting)
     acme = tiny_manager.create_tenant("acme")
     _, one = first_turn(tiny_manager, acme)
     prefills = [n for n in passes if n > 1]
@@ -110,15 +110,15 @@ def test_a_tenant_deleted_during_its_first_turn_leaves_no_base_in_the_pool(
     engine = tiny_manager.engine
     acme = tiny_manager.create_tenant("acme")
     sid = tiny_manager.open_session(acme, system_prompt=SYSTEM)
-    forward = engine.forward
+    forward = engine.runner.forward
 
     def forward_then_delete(batch):  # type: ignore[no-untyped-def]
         logits = forward(batch)
-        monkeypatch.setattr(engine, "forward", forward)
+        monkeypatch.setattr(engine.runner, "forward", forward)
         tiny_manager.delete_tenant(acme)  # while the first turn (which computes the base) runs
         return logits
 
-    monkeypatch.setattr(engine, "forward", forward_then_delete)
+    monkeypatch.setattr(engine.runner, "forward", forward_then_delete)
     with pytest.raises((SessionNotFound, TenantNotFound)):
         tiny_manager.chat(acme, sid, "Where is my order?", max_new_tokens=4)
     assert len(tiny_manager.tiers.pool) == 0 and tiny_manager.tiers.pool.nbytes() == 0

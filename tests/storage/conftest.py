@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError
 
-from storage.database import make_engine, upgrade
+from storage.database import open_database, upgrade
 from storage.metadata_store import MetadataStore
 
 POSTGRES_ENV = "CHATKV_TEST_POSTGRES_URL"
@@ -83,7 +83,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def db_engine(db_url: str) -> Iterator[Engine]:
     """An engine on `db_url` with every migration applied."""
-    engine = make_engine(db_url)
+    engine = open_database(db_url)
     upgrade(db_url, engine)
     yield engine
     engine.dispose()

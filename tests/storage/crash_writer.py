@@ -18,7 +18,7 @@ from pathlib import Path
 
 import storage.atomic_files as atomic_files
 from storage.blob_stores import DiskBlobStore
-from storage.database import make_engine
+from storage.database import open_database
 from storage.metadata_store import MetadataStore
 
 LETTERS = b"ABCDEFGH"
@@ -43,7 +43,7 @@ def _pause(point: str) -> None:
 def main(argv: list[str]) -> None:
     root, url, tenant, name, pause = argv[:5]
     sizes = [int(size) for size in argv[5:]]
-    store = DiskBlobStore(Path(root), MetadataStore(make_engine(url)), "fp-a", Key)
+    store = DiskBlobStore(Path(root), MetadataStore(open_database(url)), "fp-a", Key)
     store.reconcile()
     if pause == "before-rename":
 

@@ -289,9 +289,9 @@ def test_kill_at_a_random_moment_of_a_write_loop_leaves_a_whole_blob_or_none(tmp
 
 
 def _sqlite_metadata(url: str) -> MetadataStore:
-    from storage.database import make_engine, upgrade
+    from storage.database import open_database, upgrade
 
-    engine = make_engine(url)
+    engine = open_database(url)
     upgrade(url, engine)
     metadata = MetadataStore(engine)
     add_session(metadata, "tn_a", "s_1")

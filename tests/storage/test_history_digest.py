@@ -7,7 +7,7 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import Engine, inspect, text
 
-from storage.database import alembic_config, make_engine, upgrade
+from storage.database import alembic_config, open_database, upgrade
 from storage.history_digest import extend_digest, history_digest, start_digest
 from storage.metadata_store import MetadataStore
 
@@ -89,7 +89,7 @@ def test_a_session_created_with_a_history_has_its_digest(metadata: MetadataStore
 
 
 def test_the_migration_indexes_the_digest_and_leaves_older_sessions_null(db_url: str) -> None:
-    engine = make_engine(db_url)
+    engine = open_database(db_url)
     try:
         _migrate(db_url, engine, "0003")
         with engine.begin() as connection:

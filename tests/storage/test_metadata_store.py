@@ -14,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
 
-from storage.database import alembic_config, current_revision, head_revision, make_engine, upgrade
+from storage.database import alembic_config, current_revision, head_revision, open_database, upgrade
 from storage.errors import AlreadyExists, SessionGone
 from storage.metadata_store import MetadataStore
 from storage.schema import Base
@@ -42,7 +42,7 @@ def schema_diff(engine: Engine) -> list[object]:
 
 
 def test_upgrade_on_an_empty_database_gives_the_models_schema(db_url: str) -> None:
-    engine = make_engine(db_url)
+    engine = open_database(db_url)
     try:
         assert current_revision(engine) is None
         upgrade(db_url, engine)
@@ -56,7 +56,7 @@ def test_upgrade_on_an_empty_database_gives_the_models_schema(db_url: str) -> No
 
 
 def test_downgrade_to_base_and_upgrade_again_round_trips(db_url: str) -> None:
-    engine = make_engine(db_url)
+    engine = open_database(db_url)
     try:
         upgrade(db_url, engine)
         config = alembic_config(db_url)
@@ -72,7 +72,7 @@ def test_downgrade_to_base_and_upgrade_again_round_trips(db_url: str) -> None:
 
 def test_sqlite_runs_in_wal_mode_with_foreign_keys_on(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'nested' / 'chatkv.db'}"
-    engine = make_engine(url)
+    engine = open_database(url)
     try:
         upgrade(url, engine)
         with engine.connect() as connection:
@@ -83,14 +83,14 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys_on(tmp_path: Path) -> None:
         engine.dispose()
 
 
-def test_make_engine_rejects_a_malformed_url() -> None:
+def test_open_database_rejects_a_malformed_url() -> None:
     with pytest.raises(ValueError, match="not a database URL"):
-        make_engine("no such url")
+        open_database("no such url")
 
 
-def test_make_engine_rejects_a_database_other_than_sqlite_or_postgresql() -> None:
+def test_open_database_rejects_a_database_other_than_sqlite_or_postgresql() -> None:
     with pytest.raises(ValueError, match="SQLite or PostgreSQL, not mysql"):
-        make_engine("mysql+pymysql://user@127.0.0.1/chatkv")
+        open_database("mysql+pymysql://user@127.0.0.1/chatkv")
 
 
 # -- tenants and sessions --------------------------------------------------------------------------

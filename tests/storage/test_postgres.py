@@ -17,7 +17,7 @@ from sessions.admin import AdminOps
 from sessions.engine import Engine
 from sessions.errors import ChatKVError, InvalidInput, SessionNotFound, TenantNotFound
 from sessions.manager import SessionManager
-from storage.database import make_engine
+from storage.database import open_database
 from tests.conftest import make_settings
 
 
@@ -43,7 +43,7 @@ def test_sessions_resume_warm_and_tenants_are_shredded(db_url: str, tmp_path: Pa
         manager.delete_tenant(acme.id)
         assert {r.tenant_id for r in manager.metadata.list_blobs(location=None)} == {beta.id}
         assert [t.name for t in manager.list_tenants()] == ["beta"]
-    engine = make_engine(db_url)
+    engine = open_database(db_url)
     try:
         assert "cache_blobs" in inspect(engine).get_table_names()
     finally:

@@ -12,68 +12,25 @@ seconds or `30m`, `12h`, `7d`; booleans `1/0`, `true/false`, `yes/no`, `on/off`.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import platformdirs
 
 from sessions.engine.config import SchedulerConfig
-
-Precision = Literal["exact", "int8", "int4"]
-PersistMode = Literal["on_evict", "write_back"]
-WindowPolicyName = Literal["turns", "attention"]
+from sessions.settings.checks import DtypeName, PersistMode, Precision, WindowPolicyName, check_field
+from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
+from sessions.settings.parsing import env_variable, parse_field
 
 REPLICA_ID_FILE = "replica.id"
 """File in the home that keeps a replica's generated id (`sessions.replication.replica_id_for`)."""
 
 DEFAULT_MODEL = "default"
 """`Settings.model` value naming the bundled SmolLM2-135M-Instruct."""
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_bytes(text: str) -> int:
-    """Parse `"1500"`, `"512MiB"`, `"2 GB"` into bytes. Raises `ValueError` naming the bad value."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"not a byte size: {text!r} (examples: 1048576, 512MiB, 2GB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-MAX_DURATION_S = 100 * 365 * 86400.0
-"""Durations beyond a century are refused: they overflow timestamp arithmetic and mean 'never'."""
-
-
-def parse_duration_s(text: str) -> float:
-    """Parse `"90"`, `"30m"`, `"12h"`, `"7d"` into seconds (at most 100 years). Raises `ValueError`
-    naming the bad value."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdSMHD]?)\s*", text)
-    if match is None:
-        raise ValueError(f"not a duration: {text!r} (examples: 90, 30m, 12h, 7d)")
-    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
-    if seconds > MAX_DURATION_S:
-        raise ValueError(f"duration too long: {text!r} (at most 100 years)")
-    return seconds
 
 
 def _total_memory_bytes() -> int:
@@ -91,11 +48,6 @@ def default_home() -> Path:
 
 def _user_data_home() -> Path:
     return Path(platformdirs.user_data_dir("chatkv", appauthor=False))
-
-
-def env_variable(name: str) -> str:
-    """The environment variable of a `Settings` field: `device_budget_bytes` -> `CHATKV_DEVICE_BUDGET_BYTES`."""
-    return f"CHATKV_{name.upper()}"
 
 
 _Cls = TypeVar("_Cls", bound=type)
@@ -136,8 +88,8 @@ def _from_env(environ: Mapping[str, str], name: str, fallback: Callable[[], Any]
     if raw is None or raw == "":
         return fallback()
     try:
-        value = _parse_field(name, raw)
-        _check_field(name, value)
+        value = parse_field(name, raw)
+        check_field(name, value)
     except ValueError as exc:
         raise ValueError(f"{variable}: {exc}") from None
     return value
@@ -169,7 +121,7 @@ class Settings:
     """SQLAlchemy URL; default SQLite at `home/chatkv.db`."""
     device: str = "auto"
     """torch device for the model and the `device` tier; `auto` picks CUDA when available, else CPU."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = "float32"
     threads: int | None = None
     """torch intra-op threads; `None` keeps torch's default."""
 
@@ -258,14 +210,12 @@ class Settings:
         if self.model_cache_dir is not None:
             object.__setattr__(self, "model_cache_dir", Path(self.model_cache_dir).expanduser())
         for f in fields(self):
-            _check_field(f.name, getattr(self, f.name))
-        self.scheduler_config()  # raises ValueError for a bad engine limit
-        budget = self.context_budget_tokens
-        if self.window_policy == "attention" and budget is not None and self.window_recent_tokens >= budget:
-            raise ValueError(
-                f"window_recent_tokens must be below context_budget_tokens ({budget}), got {self.window_recent_tokens}"
-            )
+            check_field(f.name, getattr(self, f.name))
+        # The sub-configs check what spans fields: built here, so a bad combination fails at once.
+        self.scheduler_config()
+        self.window_config()
         self._derive_budgets()
+        self.tier_config()
 
     def _derive_budgets(self) -> None:
         ram = _total_memory_bytes()
@@ -279,13 +229,8 @@ class Settings:
                 object.__setattr__(self, name, default)
         if self.host_budget_bytes is not None and self.host_budget_bytes > ram:
             raise ValueError(f"host_budget_bytes={self.host_budget_bytes} exceeds this machine's memory ({ram} bytes)")
-        quota = self.tenant_device_quota_bytes
-        if quota is None:
+        if self.tenant_device_quota_bytes is None:
             object.__setattr__(self, "tenant_device_quota_bytes", self.device_budget_bytes)
-        elif quota <= 0 or quota > (self.device_budget_bytes or 0):
-            raise ValueError(
-                f"tenant_device_quota_bytes must be in 1..device_budget_bytes ({self.device_budget_bytes}), got {quota}"
-            )
 
     def _default_disk_budget(self) -> int:
         probe = self.home
@@ -297,7 +242,13 @@ class Settings:
             free = 4 * 2**30
         return max(2**28, min(free // 4, 64 * 2**30))
 
-    # -- derived values --------------------------------------------------------------------------
+    def _resolved_bytes(self, name: str) -> int:
+        value = getattr(self, name)
+        if value is None:
+            raise RuntimeError(f"bug: {name} is still None after __post_init__ derived it")
+        return int(value)
+
+    # -- sub-configs: the groups of fields one part of chatkv consumes together -------------------
 
     def scheduler_config(self) -> SchedulerConfig:
         """The engine loop's limits from these settings."""
@@ -307,6 +258,64 @@ class Settings:
             max_running_per_tenant=self.max_running_per_tenant,
             max_batch_requests=self.max_batch_requests,
         )
+
+    def model_config(self) -> ModelConfig:
+        """Which model to load, where and how (the model cache directory resolved)."""
+        return ModelConfig(
+            model=self.model,
+            model_cache_dir=self.resolved_model_cache_dir,
+            device=self.device,
+            dtype=self.dtype,
+            threads=self.threads,
+        )
+
+    def window_config(self) -> WindowConfig:
+        """What a session keeps in its attention window."""
+        return WindowConfig(
+            context_budget_tokens=self.context_budget_tokens,
+            window_policy=self.window_policy,
+            window_recent_tokens=self.window_recent_tokens,
+            window_observation_tokens=self.window_observation_tokens,
+            pin_first_turn=self.pin_first_turn,
+        )
+
+    def tier_config(self) -> TierConfig:
+        """Tier budgets (derived ones filled in), persistence, offload precision, base sharing."""
+        return TierConfig(
+            device_budget_bytes=self._resolved_bytes("device_budget_bytes"),
+            host_budget_bytes=self._resolved_bytes("host_budget_bytes"),
+            disk_budget_bytes=self._resolved_bytes("disk_budget_bytes"),
+            tenant_device_quota_bytes=self._resolved_bytes("tenant_device_quota_bytes"),
+            persist=self.persist,
+            offload_precision=self.offload_precision,
+            quant_residual_tokens=self.quant_residual_tokens,
+            share_base=self.share_base,
+        )
+
+    def redis_config(self) -> RedisConfig | None:
+        """The shared KV tier, or `None` when `redis_url` is not set."""
+        if self.redis_url is None:
+            return None
+        return RedisConfig(
+            redis_url=self.redis_url,
+            redis_cluster=self.redis_cluster,
+            redis_ttl_s=self.redis_ttl_s,
+            redis_budget_bytes=self.redis_budget_bytes,
+            redis_prefix=self.redis_prefix,
+        )
+
+    def replica_config(self) -> ReplicaConfig:
+        """This replica's id, URL and ownership leases (used in `replica_mode` only)."""
+        return ReplicaConfig(
+            replica_id=self.replica_id,
+            replica_id_file=self.home / REPLICA_ID_FILE,
+            replica_url=self.replica_url,
+            ownership_lease_s=self.ownership_lease_s,
+            ownership_wait_s=self.ownership_wait_s,
+            ownership_idle_s=self.ownership_idle_s,
+        )
+
+    # -- derived values --------------------------------------------------------------------------
 
     @property
     def resolved_database_url(self) -> str:
@@ -355,79 +364,3 @@ class Settings:
             name: _from_env(env, name, default) for name, default in _DECLARED_DEFAULTS.items() if name not in given
         }
         return cls(**read, **given)
-
-
-_CHOICES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "persist": (lambda v: v in ("on_evict", "write_back"), "'on_evict' or 'write_back'"),
-    "offload_precision": (lambda v: v in ("exact", "int8", "int4"), "'exact', 'int8' or 'int4'"),
-    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
-    "device": (lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda, cuda:N or mps"),
-    "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
-    "window_policy": (lambda v: v in ("turns", "attention"), "'turns' or 'attention'"),
-    "window_recent_tokens": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-    "window_observation_tokens": (
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "an integer >= 1",
-    ),
-    "context_budget_tokens": (lambda v: v >= 16, ">= 16"),
-    "threads": (lambda v: v >= 1, ">= 1"),
-    "max_concurrent_requests_per_tenant": (
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "an integer >= 1",
-    ),
-    "session_retention_s": (lambda v: 0 < v <= MAX_DURATION_S, "in (0, 100 years]"),
-    "redis_url": (
-        lambda v: isinstance(v, str) and re.fullmatch(r"rediss?://\S+", v) is not None,
-        "redis://... or rediss://...",
-    ),
-    "redis_ttl_s": (lambda v: 1 <= v <= MAX_DURATION_S, "in [1 s, 100 years]"),
-    "redis_prefix": (lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None, "1-32 of A-Z a-z 0-9 _ . -"),
-    "replica_id": (lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None, "1-32 of A-Z a-z 0-9 _ . -"),
-    "replica_url": (lambda v: isinstance(v, str) and re.fullmatch(r"https?://\S+", v) is not None, "http(s)://..."),
-    "ownership_lease_s": (lambda v: 0.5 <= v <= 3600, "in [0.5, 3600] seconds"),
-    "ownership_wait_s": (lambda v: 0 <= v <= 3600, "in [0, 3600] seconds"),
-    "ownership_idle_s": (lambda v: 0.1 <= v <= MAX_DURATION_S, "in [0.1 s, 100 years]"),
-}
-"""What one field's value must be on its own (combinations are checked in `Settings.__post_init__`)."""
-
-
-def _check_field(name: str, value: Any) -> None:
-    """Raises `ValueError` naming the field when `value` cannot be field `name` (`None`: the derived default)."""
-    if value is None:
-        return
-    if name.endswith("_bytes"):
-        rule: tuple[Callable[[Any], bool], str] | None = (lambda v: v > 0, "> 0 bytes")
-    else:
-        rule = _CHOICES.get(name)
-    if rule is not None and not rule[0](value):
-        raise ValueError(f"{name} must be {rule[1]}, got {value!r}")
-
-
-def _parse_field(name: str, raw: str) -> Any:
-    if name.endswith("_bytes"):
-        return parse_bytes(raw)
-    if name.endswith("_s"):
-        return parse_duration_s(raw)
-    if name in (
-        "context_budget_tokens",
-        "quant_residual_tokens",
-        "window_recent_tokens",
-        "window_observation_tokens",
-        "threads",
-        "max_step_tokens",
-        "max_running_requests",
-        "max_running_per_tenant",
-        "max_batch_requests",
-        "max_concurrent_requests_per_tenant",
-    ):
-        if not re.fullmatch(r"\s*-?[0-9]+\s*", raw):
-            raise ValueError(f"not an integer: {raw!r}")
-        return int(raw)
-    if name in ("pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv", "redis_cluster"):
-        lowered = raw.strip().lower()
-        if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-            raise ValueError(f"not a boolean: {raw!r}")
-        return lowered in ("1", "true", "yes", "on")
-    if name in ("home", "model_cache_dir"):
-        return Path(raw)
-    return raw
