@@ -1,67 +1,128 @@
-"""chatkv's public API: `SessionManager`, its `Settings`, the records it returns and its errors.
+"""chatkv's public API: `SessionManager`, its `Settings`, the records it returns and its errors, and
+what the faces (`app/`: CLI, chat page, HTTP API) need beside them. `app/` imports from here only
+(`from sessions import ...`); nothing under `sessions.` is its door.
 
-`SessionManager` (and with it torch and transformers) is imported on first use, so a tool that
-only needs settings or error types (the admin CLI talking to a server) starts fast.
+`SessionManager` and `SessionDetail` (and with them torch and transformers) are imported on first
+use, so a tool that only needs settings, records, error types or the admin operations (the admin
+CLI, offline or talking to a server) starts fast.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from cache.ids import SessionId, TenantId
+from sessions.admin import AdminOps, Json
 from sessions.cancellation import CancelToken
+from sessions.database import database_revision, head_revision, open_database, upgrade_database
 from sessions.errors import (
+    BackendUnavailable,
     ChatKVError,
     ContextTooLong,
     HistoryTooLong,
     HomeLocked,
     InvalidInput,
+    InvalidSettings,
+    KeyMismatch,
+    ManagerClosed,
     ModelUnavailable,
+    ReplicaRetired,
     SessionBusy,
+    SessionMoved,
     SessionNotFound,
+    SessionOwnedElsewhere,
     TenantExists,
     TenantNotFound,
     TurnCancelled,
 )
-from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant, TurnStats
-from sessions.settings import Settings
+from sessions.home import (
+    ADMIN_TOKEN_FILE,
+    HomeLock,
+    HomeLockedError,
+    admin_token,
+    check_unlocked,
+    describe_owner,
+    read_owner,
+    recovery_hint,
+)
+from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
+from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
+from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
+from sessions.turn.parameters import check_turn_parameters
+from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
 
 if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
     from sessions.manager import SessionManager
 
+_LAZY = {"SessionManager": "sessions.manager", "SessionDetail": "sessions.catalogue"}
 
-def __getattr__(name: str) -> Any:
-    if name == "SessionManager":
-        from sessions import manager
+if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accept any name from here
 
-        return manager.SessionManager
-    if name == "SessionDetail":
-        from sessions import catalogue
+    def __getattr__(name: str) -> Any:
+        if name in _LAZY:
+            import importlib
 
-        return catalogue.SessionDetail
-    raise AttributeError(f"module 'sessions' has no attribute {name!r}")
+            return getattr(importlib.import_module(_LAZY[name]), name)
+        raise AttributeError(f"module 'sessions' has no attribute {name!r}")
 
 
 __all__ = [
+    "ADMIN_TOKEN_FILE",
+    "MAX_DURATION_S",
+    "MAX_MESSAGE_CHARS",
+    "AdminOps",
+    "BackendUnavailable",
     "CancelToken",
     "ChatKVError",
+    "Claimed",
     "ContextTooLong",
+    "FinishReason",
     "HistoryTooLong",
+    "HomeLock",
     "HomeLocked",
+    "HomeLockedError",
+    "InProgress",
     "InvalidInput",
+    "InvalidSettings",
+    "Json",
+    "KeyMismatch",
+    "KeyReused",
+    "ManagerClosed",
     "Message",
     "ModelUnavailable",
+    "Replay",
+    "ReplicaRetired",
     "Reply",
     "RestoreResult",
+    "RestoreSource",
     "SessionBusy",
     "SessionDetail",
+    "SessionId",
     "SessionInfo",
     "SessionManager",
+    "SessionMoved",
     "SessionNotFound",
+    "SessionOwnedElsewhere",
     "Settings",
     "Tenant",
     "TenantExists",
+    "TenantId",
     "TenantNotFound",
     "TurnCancelled",
     "TurnStats",
+    "admin_token",
+    "check_text",
+    "check_turn_parameters",
+    "check_unlocked",
+    "database_revision",
+    "default_home",
+    "describe_owner",
+    "head_revision",
+    "open_database",
+    "parse_duration_s",
+    "read_owner",
+    "recovery_hint",
+    "upgrade_database",
+    "valid_id",
 ]

@@ -36,8 +36,8 @@ from sessions.metrics import Metrics
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore
 from sessions.registry import Registry
-from sessions.replicas import Replicas
-from sessions.replication import open_shared_store, replica_id_for, start_ownership
+from sessions.replicas.role import Replicas
+from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
 from sessions.settings import Settings, TierConfig
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
@@ -88,6 +88,8 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         ModelUnavailable: if the model cannot be loaded (or its device is not on this machine).
         ValueError: for settings that cannot work with this model (a window above its context).
     """
+    # One straight line in dependency order (the module docstring's picture), over 60 lines:
+    # split further, the pieces would only hand the same dozen parts to each other.
     model = settings.model_config()
     if model.threads:
         torch.set_num_threads(model.threads)
@@ -138,11 +140,9 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     transcripts = Transcripts(metadata, engine.tokenizer)
     registry = Registry(metadata, placement=lambda t, s: _tier_name(tiers.placement(CacheKey.for_session(t, s))))
 
-    def forget_caches(tenant_id: TenantId) -> None:
-        runner.cancel_requests(tenant_id)
-        tiers.forget_tenant(tenant_id)
-        transcripts.drop_tenant(tenant_id)
-
+    tenants, catalogue, turns = _services(
+        settings, database, keys, engine, template, tiers, runner, transcripts, registry, replicas, metrics, disk_store
+    )
     parts = ManagerParts(
         settings=settings,
         database=database,
@@ -161,40 +161,9 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         transcripts=transcripts,
         registry=registry,
         replicas=replicas,
-        tenants=Tenants(
-            registry=registry,
-            metadata=metadata,
-            keys=keys,
-            database=database,
-            home=settings.home,
-            forget_caches=forget_caches,
-            remove_files=disk_store.remove_tenant_folder,
-        ),
-        catalogue=SessionCatalogue(
-            registry=registry,
-            metadata=metadata,
-            tiers=tiers,
-            transcripts=transcripts,
-            runner=runner,
-            template=template,
-            tokenizer=engine.tokenizer,
-            replicas=replicas,
-            fingerprint=engine.fingerprint,
-            max_context_tokens=engine.max_context_tokens,
-            context_budget_tokens=budget,
-            pin_first_turn=window.pin_first_turn,
-        ),
-        turns=TurnService(
-            registry=registry,
-            metadata=metadata,
-            tiers=tiers,
-            transcripts=transcripts,
-            runner=runner,
-            replicas=replicas,
-            metrics=metrics,
-            fingerprint=engine.fingerprint,
-            reuse_kv=settings.reuse_kv,
-        ),
+        tenants=tenants,
+        catalogue=catalogue,
+        turns=turns,
     )
     if replicas.replica_id is not None:
         invalidate = _local_invalidation(transcripts, tiers)
@@ -202,6 +171,65 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
             start_ownership(settings.replica_config(), ReplicaStore(database), replicas.replica_id, tiers, invalidate)
         )
     return parts
+
+
+def _services(
+    settings: Settings,
+    database: Database,
+    keys: TenantKeys,
+    engine: Engine,
+    template: ChatTemplate,
+    tiers: TierManager,
+    runner: TurnRunner,
+    transcripts: Transcripts,
+    registry: Registry,
+    replicas: Replicas,
+    metrics: Metrics,
+    disk_store: DiskBlobStore[CacheKey],
+) -> tuple[Tenants, SessionCatalogue, TurnService]:
+    """The three objects behind the manager's methods, over the parts `assemble` built."""
+    metadata = registry.metadata
+
+    def forget_caches(tenant_id: TenantId) -> None:
+        runner.cancel_requests(tenant_id)
+        tiers.forget_tenant(tenant_id)
+        transcripts.drop_tenant(tenant_id)
+
+    tenants = Tenants(
+        registry=registry,
+        metadata=metadata,
+        keys=keys,
+        database=database,
+        home=settings.home,
+        forget_caches=forget_caches,
+        remove_files=disk_store.remove_tenant_folder,
+    )
+    catalogue = SessionCatalogue(
+        registry=registry,
+        metadata=metadata,
+        tiers=tiers,
+        transcripts=transcripts,
+        runner=runner,
+        template=template,
+        tokenizer=engine.tokenizer,
+        replicas=replicas,
+        fingerprint=engine.fingerprint,
+        max_context_tokens=engine.max_context_tokens,
+        context_budget_tokens=settings.window_config().budget_tokens(engine.max_context_tokens),
+        pin_first_turn=settings.window_config().pin_first_turn,
+    )
+    turns = TurnService(
+        registry=registry,
+        metadata=metadata,
+        tiers=tiers,
+        transcripts=transcripts,
+        runner=runner,
+        replicas=replicas,
+        metrics=metrics,
+        fingerprint=engine.fingerprint,
+        reuse_kv=settings.reuse_kv,
+    )
+    return tenants, catalogue, turns
 
 
 def close_parts(parts: ManagerParts, lease_wait_s: float) -> None:

@@ -19,14 +19,13 @@ from cache.window_policy import MIN_TURN_TOKENS
 from sessions.errors import ContextTooLong, HistoryTooLong, InvalidInput, SessionBusy, SessionNotFound
 from sessions.records import RestoreResult, SessionInfo
 from sessions.registry import SESSION_ID_PREFIX, Registry
-from sessions.replicas import Replicas
+from sessions.replicas.role import Replicas
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
 from sessions.turn.runner import TurnRunner
-from sessions.validation import check_text
+from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.metadata_store import MetadataStore
 
-MAX_MESSAGE_CHARS = 1_000_000
 MAX_TITLE_CHARS = 200
 MAX_HISTORY_TURNS = 1024
 """Turns a session may be opened with (`open(history=...)`): 2,048 messages, OpenAI's limit of

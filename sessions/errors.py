@@ -103,6 +103,19 @@ class TurnCancelled(ChatKVError):
     http_status = 499  # nginx's "client closed request": nobody reads it, logs do
 
 
+class InvalidSettings(ChatKVError, ValueError):
+    """Settings or a home that cannot work, found at start-up: a malformed master key, a replica id
+    that another live process uses. The message names the culprit."""
+
+
+class BackendUnavailable(ChatKVError):
+    """A service the manager needs did not work at start-up: the key ring (a master key that cannot
+    be read or written), or a Redis Cluster that does not answer (its slot map is needed). The
+    message says which ("key ring: ...", "redis: ...")."""
+
+    http_status = 503
+
+
 class ModelUnavailable(ChatKVError):
     """The configured model cannot be found or loaded (missing directory, missing bundled package)."""
 

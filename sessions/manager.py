@@ -29,16 +29,19 @@ from cache.ids import SessionId
 from cache.tiers import LOCAL_TIERS, CacheKey
 from sessions.assembly import ManagerParts, assemble, close_parts
 from sessions.cancellation import CancelToken
-from sessions.catalogue import MAX_MESSAGE_CHARS, MAX_TITLE_CHARS, SessionDetail
+from sessions.catalogue import MAX_TITLE_CHARS, SessionDetail
 from sessions.engine import Engine
-from sessions.errors import HomeLocked, InvalidInput, ManagerClosed
+from sessions.errors import BackendUnavailable, HomeLocked, InvalidInput, InvalidSettings, ManagerClosed
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
 from sessions.turn.stop_strings import StopStrings
-from sessions.validation import check_text
+from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.home_lock import HomeLock, HomeLockedError
+from storage.keyring import BadMasterKey, KeyRingError
+from storage.redis_store import RedisUnavailable
+from storage.replica_store import ReplicaIdInUse
 
 __all__ = ["MAX_MESSAGE_CHARS", "MAX_TITLE_CHARS", "SessionManager", "TenantRef"]
 
@@ -57,6 +60,8 @@ class SessionManager:
     Raises:
         ModelUnavailable: if the model cannot be loaded.
         HomeLocked: if another process holds `settings.home` (its server's HTTP API is the way in).
+        InvalidSettings: for a malformed master key, or a replica id another live process uses.
+        BackendUnavailable: if the key ring or a Redis Cluster does not work.
         ValueError: for settings that cannot work with this model (window above its context).
     """
 
@@ -70,7 +75,7 @@ class SessionManager:
         except HomeLockedError as exc:
             raise HomeLocked.held_by(exc.holder, exc.owner.url, exc.recovery) from None
         try:
-            self._parts: ManagerParts = assemble(settings, engine)
+            self._parts: ManagerParts = _assemble(settings, engine)
         except BaseException:  # a failed start (bad model, bad settings) must not keep the home
             self._home_lock.release()
             raise
@@ -385,3 +390,17 @@ class SessionManager:
             "model_fingerprint": self._parts.engine.fingerprint,
             "context_budget_tokens": self._parts.context_budget_tokens,
         }
+
+
+def _assemble(settings: Settings, engine: Engine | None) -> ManagerParts:
+    """`assemble`, with the storage layer's start-up failures named in this package's errors."""
+    try:
+        return assemble(settings, engine)
+    except BadMasterKey as exc:
+        raise InvalidSettings(f"master key: {exc}") from None
+    except KeyRingError as exc:
+        raise BackendUnavailable(f"key ring: {exc}") from None
+    except RedisUnavailable as exc:  # a Redis Cluster must answer at start-up (its slot map)
+        raise BackendUnavailable(f"redis: {exc}") from None
+    except ReplicaIdInUse as exc:
+        raise InvalidSettings(str(exc)) from None

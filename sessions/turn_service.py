@@ -25,7 +25,7 @@ from sessions.errors import SessionBusy, SessionMoved, SessionNotFound
 from sessions.metrics import Metrics
 from sessions.records import Reply
 from sessions.registry import Registry
-from sessions.replicas import Replicas
+from sessions.replicas.role import Replicas
 from sessions.sampling import SamplingParams
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import PastTurn

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from sessions.errors import InvalidInput
 
+MAX_MESSAGE_CHARS = 1_000_000
+"""Longest message (and system prompt) a turn or a session takes, in characters."""
+
 
 def check_text(value: object, what: str, max_chars: int) -> None:
     """Raises `InvalidInput` unless `value` is a string of at most `max_chars` characters of

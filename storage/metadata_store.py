@@ -339,6 +339,7 @@ class MetadataStore(Repository):
             SessionGone: if the session does not exist for this tenant (deleted while the turn ran).
             OwnershipLost: if `owner` lost the session's lease.
         """
+        # Over 60 lines (most of it the docstring): one transaction, whose steps must stay together.
         turns = [returned_texts] if returned_texts is not None else _turn_texts(messages)
         now = utcnow()
         values: dict[str, object] = {

@@ -224,6 +224,7 @@ class ReplicaStore(Repository):
         self, tenant_id: str, session_id: str, replica_id: str, incarnation: str, lease_s: float, now_unix_s: float
     ) -> Claim | None:
         """One compare-and-swap round; `None` when another replica changed the row meanwhile."""
+        # Over 60 lines: one transaction's read, decision and conditional write belong together.
         expires = now_unix_s + lease_s
         with self._unit() as db:
             exists = db.scalar(

@@ -12,7 +12,7 @@ from urllib.parse import quote
 import httpx
 
 if TYPE_CHECKING:
-    from sessions.admin import Json
+    from sessions import Json
 
 DEFAULT_TIMEOUT_S = 120.0
 """Generous: restoring or inspecting a large cache decrypts it, and a gc may delete many sessions."""

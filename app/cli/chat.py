@@ -11,11 +11,10 @@ from app.cli.groups import CLIError
 from app.cli.home import domain_errors, home_dir, load_manager, settings_for
 from app.cli.options import TenantOption
 from app.cli.output import count
-from storage.home_lock import describe_owner, read_owner, recovery_hint
+from sessions import describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionManager
-    from sessions.records import Reply
+    from sessions import Reply, SessionManager
 
 
 def chat_command(
@@ -51,7 +50,7 @@ def chat_command(
 
 
 def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_tokens: int) -> None:
-    from sessions.errors import ChatKVError
+    from sessions import ChatKVError
 
     while True:
         try:
@@ -77,7 +76,7 @@ def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_toke
 
 
 def _stream_turn(manager: SessionManager, tenant_id: str, session_id: str, message: str, max_new_tokens: int) -> Reply:
-    from sessions.records import Reply
+    from sessions import Reply
 
     reply = None
     # Closed explicitly so that Ctrl-C mid-reply gives the session's lease back at once (nothing is stored).

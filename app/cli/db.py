@@ -10,12 +10,12 @@ import typer
 
 from app.cli.groups import CLIError, CommandGroup
 from app.cli.home import domain_errors, home_dir, settings_for
-from storage.home_lock import check_unlocked
+from sessions import check_unlocked
 
 if TYPE_CHECKING:
     import sqlalchemy
 
-    from sessions.settings import Settings
+    from sessions import Settings
 
 db_app = typer.Typer(
     cls=CommandGroup, no_args_is_help=True, help="The metadata database's schema (Alembic migrations)."
@@ -24,7 +24,7 @@ db_app = typer.Typer(
 
 @contextmanager
 def _database(settings: Settings) -> Iterator[sqlalchemy.Engine]:
-    from storage.database import open_database
+    from sessions import open_database
 
     try:
         database = open_database(settings.resolved_database_url)
@@ -40,22 +40,22 @@ def _database(settings: Settings) -> Iterator[sqlalchemy.Engine]:
 @db_app.command("upgrade")
 def db_upgrade(ctx: typer.Context) -> None:
     """Apply every pending migration to the database."""
-    from storage.database import current_revision, upgrade
+    from sessions import database_revision, upgrade_database
 
     check_unlocked(home_dir(ctx.obj))
     settings = settings_for(ctx.obj)
     with _database(settings) as database:
-        upgrade(settings.resolved_database_url, database)
-        typer.echo(f"database at revision {current_revision(database)} (head)")
+        upgrade_database(settings.resolved_database_url, database)
+        typer.echo(f"database at revision {database_revision(database)} (head)")
 
 
 @db_app.command("current")
 def db_current(ctx: typer.Context) -> None:
     """Print the database's migration revision and the newest one."""
-    from storage.database import current_revision, head_revision
+    from sessions import database_revision, head_revision
 
     with _database(settings_for(ctx.obj)) as database:
-        current, head = current_revision(database), head_revision()
+        current, head = database_revision(database), head_revision()
     if current == head:
         typer.echo(f"{current} (head)")
     else:

@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup, TyperOption
 
 from app.cli.admin_client import AdminRequestFailed
-from storage.home_lock import HomeLockedError
+from sessions import HomeLockedError
 
 
 class CLIError(Exception):

@@ -13,17 +13,13 @@ import typer
 
 from app.cli.admin_client import AdminClient
 from app.cli.groups import CLIError
-from storage.home_lock import check_unlocked
+from sessions import ADMIN_TOKEN_FILE, check_unlocked
 
 if TYPE_CHECKING:
-    from sessions.admin import AdminOps
-    from sessions.manager import SessionManager
-    from sessions.settings import Settings
+    from sessions import AdminOps, SessionManager, Settings
 
-# `sessions` and `cache` import torch and transformers (seconds): they are imported
-# where a command works on a home, so `--server` commands start as fast as an HTTP client.
-
-ADMIN_TOKEN_FILE = "admin.token"  # written by `app.http.server.admin_token` on the server's first start
+# `SessionManager` imports torch and transformers (seconds): it is imported where a command works
+# on a home, so `--server` commands start as fast as an HTTP client.
 
 
 @dataclass(frozen=True)
@@ -37,7 +33,7 @@ class Target:
 
 def settings_for(target: Target, **overrides: Any) -> Settings:
     """`Settings` from the environment for `target`'s home; raises `CLIError` (exit 2) for settings that cannot work."""
-    from sessions.settings import Settings
+    from sessions import Settings
 
     try:
         return Settings.from_env(home=target.home, **overrides)
@@ -51,27 +47,16 @@ def domain_errors() -> Iterator[None]:
     failures of the model, the key ring or the database exit 1."""
     from sqlalchemy.exc import OperationalError
 
-    from sessions.errors import ChatKVError, ModelUnavailable
-    from storage.keyring import BadMasterKey, KeyRingError
-    from storage.redis_store import RedisUnavailable
-    from storage.replica_store import ReplicaIdInUse
+    from sessions import BackendUnavailable, ChatKVError, ModelUnavailable
 
     try:
         yield
-    except ModelUnavailable as exc:
+    except (ModelUnavailable, BackendUnavailable) as exc:  # the key ring, a Redis Cluster
         raise CLIError(str(exc), 1) from None
-    except ChatKVError as exc:
+    except ChatKVError as exc:  # `InvalidSettings` among them: a bad master key, a replica id in use
         raise CLIError(str(exc), 2) from None
-    except BadMasterKey as exc:
-        raise CLIError(f"master key: {exc}", 2) from None
-    except KeyRingError as exc:
-        raise CLIError(f"key ring: {exc}", 1) from None
     except OperationalError as exc:
         raise CLIError(f"database: {exc.orig}", 1) from None
-    except RedisUnavailable as exc:  # a Redis Cluster must answer at start-up (its slot map)
-        raise CLIError(f"redis: {exc}", 1) from None
-    except ReplicaIdInUse as exc:
-        raise CLIError(str(exc), 2) from None
     except UnicodeError:  # an argument with bytes that are not UTF-8 (the shell passed them through)
         raise CLIError("arguments must be valid UTF-8 text", 2) from None
     except ValueError as exc:  # settings or a database URL that cannot work
@@ -80,7 +65,7 @@ def domain_errors() -> Iterator[None]:
 
 def load_manager(settings: Settings) -> SessionManager:
     """A manager on `settings.home`; call inside `domain_errors`."""
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
     try:
         return SessionManager(settings)
@@ -92,7 +77,7 @@ def home_dir(target: Target) -> Path:
     """`--home`/`CHATKV_HOME`, else the default (importing `sessions` only then: it loads torch)."""
     if target.home is not None:
         return target.home.expanduser()
-    from sessions.settings import default_home
+    from sessions import default_home
 
     return default_home()
 
@@ -125,7 +110,7 @@ def open_admin(ctx: typer.Context, server: str | None = None) -> Iterator[AdminO
     check_unlocked(home_dir(target))  # refuse before loading anything
     settings = settings_for(target)
     with domain_errors():
-        from sessions.admin import AdminOps
+        from sessions import AdminOps
 
         with AdminOps.open_home(settings, lambda: load_manager(settings)) as ops:
             yield ops

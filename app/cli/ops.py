@@ -11,7 +11,7 @@ from app.cli.options import JsonOption, ServerOption
 from app.cli.output import count, duration_text, print_data, print_pairs, print_table, when
 
 if TYPE_CHECKING:
-    from sessions.admin import Json
+    from sessions import Json
 
 
 def _render_stats(stats: Json) -> None:

@@ -12,7 +12,7 @@ from app.cli.options import JsonOption, ServerOption
 from app.cli.output import print_data, print_table, when
 
 if TYPE_CHECKING:
-    from sessions.admin import Json
+    from sessions import Json
 
 
 def replicas_command(ctx: typer.Context, as_json: JsonOption = False, server: ServerOption = None) -> None:

@@ -9,7 +9,7 @@ import typer
 
 from app.cli.groups import CLIError, held_by_server
 from app.cli.home import domain_errors, home_dir, load_manager, settings_for
-from storage.home_lock import HomeLockedError, check_unlocked
+from sessions import HomeLockedError, check_unlocked
 
 
 def serve_command(

@@ -17,7 +17,7 @@ from app.cli.options import JsonOption, ServerOption, TenantOption, YesOption
 from app.cli.output import confirm, count, print_data, print_pairs, print_table, when
 
 if TYPE_CHECKING:
-    from sessions.admin import Json
+    from sessions import Json
 
 TIERS = ("device", "host", "disk")
 EVICT_TARGETS = ("host", "disk", "drop")
@@ -28,7 +28,7 @@ sessions_app = typer.Typer(
 
 
 def _duration_s(text: str) -> float:
-    from sessions.settings import parse_duration_s
+    from sessions import parse_duration_s
 
     try:
         return parse_duration_s(text)

@@ -29,10 +29,7 @@ from starlette.exceptions import HTTPException
 from app.http.api_errors import DATABASE_ERRORS, ApiError, error_response, response_for, unauthorized
 from app.http.body_limits import require_utf8_body
 from app.http.sse import EventStream
-from cache.ids import TenantId
-from sessions.errors import ChatKVError, TenantNotFound
-from sessions.manager import SessionManager
-from sessions.records import Tenant
+from sessions import ChatKVError, SessionManager, Tenant, TenantId, TenantNotFound
 
 RETRY_AFTER_S = 1
 

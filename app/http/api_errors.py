@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException
 
-from sessions.errors import (
+from sessions import (
     ChatKVError,
     ContextTooLong,
     HistoryTooLong,

@@ -35,14 +35,23 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from app.http.api_errors import ApiError
-from sessions.cancellation import CancelToken
-from sessions.errors import ChatKVError, InvalidInput, SessionBusy, SessionNotFound
-from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
-from sessions.manager import MAX_MESSAGE_CHARS, SessionManager
-from sessions.records import Reply, Tenant
-from sessions.sampling import SamplingParams
-from sessions.turn.stop_strings import StopStrings
-from sessions.validation import check_text
+from sessions import (
+    MAX_MESSAGE_CHARS,
+    CancelToken,
+    ChatKVError,
+    Claimed,
+    InProgress,
+    InvalidInput,
+    KeyReused,
+    Replay,
+    Reply,
+    SessionBusy,
+    SessionManager,
+    SessionNotFound,
+    Tenant,
+    check_text,
+    check_turn_parameters,
+)
 
 TurnStream = Generator[str | Reply, None, None]
 T = TypeVar("T")
@@ -131,8 +140,7 @@ class TurnParams:
     stop: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.seed)
-        StopStrings(self.stop)
+        check_turn_parameters(self.max_new_tokens, self.temperature, self.top_p, self.seed, self.stop)
 
     def stream(
         self, manager: SessionManager, tenant: Tenant, session_id: str, message: str, **extra: Any

@@ -56,11 +56,16 @@ from app.http.api_turns import (
     usage,
 )
 from app.http.sse import DONE, EventStream, event
-from sessions.cancellation import CancelToken
-from sessions.errors import ChatKVError, InvalidInput
-from sessions.manager import MAX_MESSAGE_CHARS, SessionManager
-from sessions.records import Reply, Tenant
-from sessions.validation import check_text
+from sessions import (
+    MAX_MESSAGE_CHARS,
+    CancelToken,
+    ChatKVError,
+    InvalidInput,
+    Reply,
+    SessionManager,
+    Tenant,
+    check_text,
+)
 
 DEFAULT_MAX_TOKENS = 256
 MAX_MESSAGES = 2048
@@ -173,6 +178,7 @@ class Conversation:
 
 def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRouter:
     """`/models` and `/chat/completions`, to be mounted under `/v1`."""
+    # Over 60 lines: the routes are closures over `manager`, one short function each.
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["OpenAI-compatible"])
     started = int(time.time())
 
@@ -231,64 +237,68 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRo
         raw = await request.body()
         cancel = CancelToken()
         return await run_watching_disconnect(
-            request, cancel, lambda: complete(body, raw, tenant, x_session_id, idempotency_key, cancel)
+            request, cancel, lambda: _complete(manager, body, raw, tenant, x_session_id, idempotency_key, cancel)
         )
 
-    def complete(
-        body: ChatCompletionRequest,
-        raw: bytes,
-        tenant: Tenant,
-        x_session_id: str | None,
-        idempotency_key: str | None,
-        cancel: CancelToken,
-    ) -> Response:
-        _check_model(manager, body.model)
-        _refuse_unsupported(body)
-        params = _turn_params(body)
-        conversation = parse_messages(body.messages)
-        session_id = _session_id(x_session_id, body.session_id)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        guard = IdempotencyGuard(manager, tenant, idempotency_key, "/v1/chat/completions", raw)
-        if guard.replay is not None:
-            completion = ChatCompletion.model_validate_json(guard.replay.response)
-            headers = {SESSION_HEADER: guard.replay.session_id or "", REPLAYED_HEADER: "true"}
-            if body.stream:
-                return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
-            return JSONResponse(completion.model_dump(), headers=headers)
-        try:
-            if session_id is None:
-                turn = continue_history(
-                    manager,
-                    tenant,
-                    conversation.system_prompt,
-                    conversation.history,
-                    conversation.message,
-                    params,
-                    cancel,
-                )
-            else:
-                _check_explicit(manager, tenant, session_id, conversation)
-                turn = start_turn(manager, tenant, session_id, conversation.message, params, cancel=cancel)
-        except BaseException:
-            guard.release()
-            raise
-        reply_id = f"chatcmpl-{secrets.token_hex(12)}"
-        headers = {SESSION_HEADER: turn.session_id}
-        if body.stream:
-            head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
-            return EventStream(_chunks(turn, head, include_usage, guard), headers=headers)
-        try:
-            reply = turn.run()
-        except BaseException:
-            guard.release()
-            raise
-        finally:
-            turn.close()
-        completion = _completion(reply_id, manager.model_name, reply)
-        guard.complete(turn.session_id, completion)
-        return JSONResponse(completion.model_dump(), headers=headers)
-
     return router
+
+
+def _complete(
+    manager: SessionManager,
+    body: ChatCompletionRequest,
+    raw: bytes,
+    tenant: Tenant,
+    x_session_id: str | None,
+    idempotency_key: str | None,
+    cancel: CancelToken,
+) -> Response:
+    """The blocking part of `POST /chat/completions` (run in the threadpool): check, claim the
+    idempotency key, run the turn to its first piece (streamed) or to its end."""
+    _check_model(manager, body.model)
+    _refuse_unsupported(body)
+    params = _turn_params(body)
+    conversation = parse_messages(body.messages)
+    session_id = _session_id(x_session_id, body.session_id)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    guard = IdempotencyGuard(manager, tenant, idempotency_key, "/v1/chat/completions", raw)
+    if guard.replay is not None:
+        completion = ChatCompletion.model_validate_json(guard.replay.response)
+        headers = {SESSION_HEADER: guard.replay.session_id or "", REPLAYED_HEADER: "true"}
+        if body.stream:
+            return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
+        return JSONResponse(completion.model_dump(), headers=headers)
+    try:
+        if session_id is None:
+            turn = continue_history(
+                manager,
+                tenant,
+                conversation.system_prompt,
+                conversation.history,
+                conversation.message,
+                params,
+                cancel,
+            )
+        else:
+            _check_explicit(manager, tenant, session_id, conversation)
+            turn = start_turn(manager, tenant, session_id, conversation.message, params, cancel=cancel)
+    except BaseException:
+        guard.release()
+        raise
+    reply_id = f"chatcmpl-{secrets.token_hex(12)}"
+    headers = {SESSION_HEADER: turn.session_id}
+    if body.stream:
+        head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
+        return EventStream(_chunks(turn, head, include_usage, guard), headers=headers)
+    try:
+        reply = turn.run()
+    except BaseException:
+        guard.release()
+        raise
+    finally:
+        turn.close()
+    completion = _completion(reply_id, manager.model_name, reply)
+    guard.complete(turn.session_id, completion)
+    return JSONResponse(completion.model_dump(), headers=headers)
 
 
 def _check_model(manager: SessionManager, model: str) -> None:

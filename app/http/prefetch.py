@@ -8,12 +8,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from cache.ids import SessionId, TenantId
-from sessions.errors import ChatKVError
-from sessions.records import Tenant
+from sessions import ChatKVError, SessionId, Tenant, TenantId
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
 log = logging.getLogger(__name__)
 

@@ -11,26 +11,22 @@ import contextlib
 import errno
 import logging
 import re
-import secrets
 import signal
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 
 from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
-from storage.atomic_files import write_atomic
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
 log = logging.getLogger(__name__)
 
-ADMIN_TOKEN_FILE = "admin.token"
 SHUTDOWN_TURN_WAIT_S = 120.0
 """How long a shutdown waits for chat turns in flight (they are stored when they complete)."""
 
@@ -66,17 +62,6 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             raise ListenError(f"port {port} on {host} is in use (is `make run` still running?)") from None
         raise ListenError(f"cannot listen on port {port} on {host}: {exc.strerror or exc}") from None
     return sockets
-
-
-def admin_token(home: Path, configured: str | None) -> str:
-    """The admin token: `configured` (`CHATKV_ADMIN_TOKEN`), else `home/admin.token`, generated with
-    mode 0600 on first start."""
-    if configured:
-        return configured
-    path = home / ADMIN_TOKEN_FILE
-    if not path.exists():
-        write_atomic(path, secrets.token_urlsafe(32).encode() + b"\n", mode=0o600)
-    return path.read_text().strip()
 
 
 def build_app(
@@ -160,9 +145,11 @@ def serve(
         HomeLockedError: if another live server holds the same chatkv home.
         ListenError: if the port cannot be bound, or the server did not start.
     """
+    # Over 60 lines: start-up and shutdown are one sequence of steps whose order matters (the
+    # `finally` undoes them in reverse); split, the order would be harder to see.
     import uvicorn
 
-    from storage.home_lock import HomeLock
+    from sessions import ADMIN_TOKEN_FILE, HomeLock, admin_token
 
     url = f"http://{host}:{port}"
     configured = manager.settings.admin_token

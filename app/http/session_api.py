@@ -42,10 +42,7 @@ from app.http.api_turns import (
 from app.http.openai_api import SESSION_HEADER, AssistantMessage
 from app.http.prefetch import Prefetcher
 from app.http.sse import DONE, EventStream, event
-from sessions.cancellation import CancelToken
-from sessions.errors import ChatKVError
-from sessions.manager import SessionManager
-from sessions.records import Message, Reply, RestoreSource, SessionInfo, Tenant
+from sessions import CancelToken, ChatKVError, Message, Reply, RestoreSource, SessionInfo, SessionManager, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +145,7 @@ class PrefetchStarted(BaseModel):
 
 def session_router(manager: SessionManager, route_class: type[APIRoute], prefetcher: Prefetcher) -> APIRouter:
     """The `/sessions` routes, to be mounted under `/v1`."""
+    # Over 60 lines: the routes are closures over `manager`, one short function each.
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Sessions"])
 
     @router.post("/sessions", status_code=status.HTTP_201_CREATED, response_model=SessionOut)
@@ -198,45 +196,8 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
         raw = await request.body()
         cancel = CancelToken()
         return await run_watching_disconnect(
-            request, cancel, lambda: send(session_id, body, raw, tenant, idempotency_key, cancel)
+            request, cancel, lambda: _send(manager, session_id, body, raw, tenant, idempotency_key, cancel)
         )
-
-    def send(
-        session_id: str,
-        body: MessageCreate,
-        raw: bytes,
-        tenant: Tenant,
-        idempotency_key: str | None,
-        cancel: CancelToken,
-    ) -> Response:
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        params = TurnParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop)
-        message = check_message(body.content, "content")
-        guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
-        if guard.replay is not None:
-            recorded = MessageReply.model_validate_json(guard.replay.response)
-            headers = {SESSION_HEADER: recorded.session_id, REPLAYED_HEADER: "true"}
-            if body.stream:
-                return EventStream(_replayed_events(recorded), headers=headers)
-            return JSONResponse(recorded.model_dump(), headers=headers)
-        try:
-            turn = start_turn(manager, tenant, session_id, message, params, cancel=cancel)
-        except BaseException:
-            guard.release()
-            raise
-        headers = {SESSION_HEADER: turn.session_id}
-        if body.stream:
-            return EventStream(_events(turn, guard), headers=headers)
-        try:
-            reply = turn.run()
-        except BaseException:
-            guard.release()
-            raise
-        finally:
-            turn.close()
-        answer = _reply(turn.session_id, reply)
-        guard.complete(turn.session_id, answer)
-        return JSONResponse(answer.model_dump(), headers=headers)
 
     @router.post(
         "/sessions/{session_id}/prefetch", status_code=status.HTTP_202_ACCEPTED, response_model=PrefetchStarted
@@ -248,6 +209,46 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
         return PrefetchStarted(id=info.id)
 
     return router
+
+
+def _send(
+    manager: SessionManager,
+    session_id: str,
+    body: MessageCreate,
+    raw: bytes,
+    tenant: Tenant,
+    idempotency_key: str | None,
+    cancel: CancelToken,
+) -> Response:
+    """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    params = TurnParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop)
+    message = check_message(body.content, "content")
+    guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
+    if guard.replay is not None:
+        recorded = MessageReply.model_validate_json(guard.replay.response)
+        headers = {SESSION_HEADER: recorded.session_id, REPLAYED_HEADER: "true"}
+        if body.stream:
+            return EventStream(_replayed_events(recorded), headers=headers)
+        return JSONResponse(recorded.model_dump(), headers=headers)
+    try:
+        turn = start_turn(manager, tenant, session_id, message, params, cancel=cancel)
+    except BaseException:
+        guard.release()
+        raise
+    headers = {SESSION_HEADER: turn.session_id}
+    if body.stream:
+        return EventStream(_events(turn, guard), headers=headers)
+    try:
+        reply = turn.run()
+    except BaseException:
+        guard.release()
+        raise
+    finally:
+        turn.close()
+    answer = _reply(turn.session_id, reply)
+    guard.complete(turn.session_id, answer)
+    return JSONResponse(answer.model_dump(), headers=headers)
 
 
 def _events(turn: StartedTurn, guard: IdempotencyGuard) -> Generator[str, None, None]:

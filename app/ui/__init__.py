@@ -44,7 +44,7 @@ from app.ui.sessions import LABEL_CHARS
 from app.ui.view import REMEMBERED_KEY, View, ViewState
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
 __all__ = [
     "CHAT_CONCURRENCY",
@@ -94,6 +94,8 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
     new, device, host, disk or rebuilt), `restore_ms` (only for host and disk),
     `decode_tokens_per_s`, `context_tokens`) and `stats-table`.
     """
+    # Over 60 lines: Gradio declares a page as one block of components and their events; split,
+    # the pieces would only pass the components to each other.
     ui = chat_ui or ChatUI(manager, local=local)
     max_tokens_limit = max(1, min(2048, manager.context_budget_tokens // 2))
     with gr.Blocks(title="chatkv", analytics_enabled=False) as blocks:

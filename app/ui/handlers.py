@@ -33,12 +33,11 @@ from app.ui.view import (
     remembered_value,
     stop_button_update,
 )
-from sessions.errors import ChatKVError, InvalidInput, TenantExists, TenantNotFound
-from sessions.records import Reply, Tenant
+from sessions import ChatKVError, InvalidInput, Reply, Tenant, TenantExists, TenantNotFound
 
 if TYPE_CHECKING:
     from app.http.prefetch import Prefetcher
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
 LOCAL_TENANT = "local"
 UNKNOWN_KEY_MESSAGE = "unknown API key"
@@ -254,6 +253,7 @@ class ChatUI:
             max_new_tokens: most tokens of the reply (a slider's float).
             temperature: 0 for greedy decoding.
         """
+        # Over 60 lines: a Gradio generator handler yields each state of the page in order.
         text = message or ""
         tenant = self._tenant(state)
         if isinstance(tenant, View):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from app.ui.view import Shown, StatsRow
-from sessions.records import Reply, SessionInfo, TurnStats
+from sessions import Reply, SessionInfo, TurnStats
 
 STATS_HEADERS = [
     "turn",

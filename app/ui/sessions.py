@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
-from sessions.errors import ChatKVError
-from sessions.records import SessionInfo, Tenant
+from sessions import ChatKVError, SessionInfo, Tenant
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
 LABEL_CHARS = 40
 """Longest name of a session in the picker (its title, or its first message), in characters;

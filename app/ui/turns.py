@@ -12,11 +12,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from sessions.errors import ChatKVError, InvalidInput
-from sessions.records import Reply, Tenant
+from sessions import ChatKVError, InvalidInput, Reply, Tenant
 
 if TYPE_CHECKING:
-    from sessions.manager import SessionManager
+    from sessions import SessionManager
 
 log = logging.getLogger(__name__)
 

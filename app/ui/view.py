@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from sessions.records import Tenant
+from sessions import Tenant
 
 REMEMBERED_KEY = "chatkv-open-session"
 """Local-storage key of the open session (`{"tenant": id, "session": id}`). Not a secret: a

@@ -149,7 +149,7 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class RedisConfig:
-    """The KV tier replicas share (`sessions.replication.open_shared_store`).
+    """The KV tier replicas share (`sessions.replicas.startup.open_shared_store`).
 
     Attributes:
         redis_url: `redis://...` or `rediss://...` (TLS).
@@ -175,7 +175,7 @@ class RedisConfig:
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    """This replica's identity and ownership leases (`sessions.replication`, `sessions.ownership`).
+    """This replica's identity and ownership leases (`sessions.replicas.startup`, `sessions.replicas.ownership`).
 
     Attributes:
         replica_id: the id set in the settings, else `None` (one is generated once and kept in

@@ -27,7 +27,7 @@ from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, T
 from sessions.settings.parsing import env_variable, parse_field
 
 REPLICA_ID_FILE = "replica.id"
-"""File in the home that keeps a replica's generated id (`sessions.replication.replica_id_for`)."""
+"""File in the home that keeps a replica's generated id (`sessions.replicas.startup.replica_id_for`)."""
 
 DEFAULT_MODEL = "default"
 """`Settings.model` value naming the bundled SmolLM2-135M-Instruct."""
@@ -328,7 +328,7 @@ class Settings:
     @property
     def replica_mode(self) -> bool:
         """Several replicas may share this database: a shared database (anything but SQLite) or a
-        shared KV tier. Turns then take the session's ownership lease (`sessions/ownership.py`)."""
+        shared KV tier. Turns then take the session's ownership lease (`sessions/replicas/ownership.py`)."""
         return self.redis_url is not None or not self.resolved_database_url.startswith("sqlite")
 
     def disk_location(self) -> str:

@@ -24,7 +24,7 @@ from app.cli import app
 from cache.serialization import FORMAT_VERSION
 from sessions.engine import Engine
 from sessions.manager import SessionManager
-from sessions.ownership import SessionOwnership
+from sessions.replicas.ownership import SessionOwnership
 from storage.database import head_revision, open_database, upgrade
 from storage.home_lock import program_name
 from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, open_sealed, parse_master_key

@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from app.http.api_errors import OWNER_URL_HEADER, response_for
 from cache.tiers import CacheKey
 from sessions.errors import ReplicaRetired, SessionBusy, SessionNotFound, SessionOwnedElsewhere
-from sessions.ownership import SessionOwnership
+from sessions.replicas.ownership import SessionOwnership
 from storage.database import open_database, upgrade
 from storage.errors import StorageError
 from storage.metadata_store import MetadataStore

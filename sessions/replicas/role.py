@@ -1,5 +1,5 @@
 """This process's part among replicas (docs/replicas.md): its replica id and the ownership leases
-it holds (`sessions.ownership`). A single process has neither; every call here is then inert (a
+it holds (`sessions.replicas.ownership`). A single process has neither; every call here is then inert (a
 turn holds nothing, every session is this process's to publish).
 """
 
@@ -9,7 +9,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 
 from cache.tiers import CacheKey
-from sessions.ownership import SessionOwnership
+from sessions.replicas.ownership import SessionOwnership
 from storage.replica_store import OwnerToken
 
 
@@ -28,7 +28,7 @@ class Replicas:
         self.ownership: SessionOwnership | None = None
 
     def start(self, ownership: SessionOwnership) -> None:
-        """Take up the leases' keeper (registered and running: `sessions.replication.start_ownership`)."""
+        """Take up the leases' keeper (registered and running: `sessions.replicas.startup.start_ownership`)."""
         self.ownership = ownership
 
     def hold(self, key: CacheKey) -> AbstractContextManager[OwnerToken | None]:

@@ -15,7 +15,7 @@ from cache.ids import TenantId
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey
 from sessions.offload import SharedBlobStore
-from sessions.ownership import SessionOwnership
+from sessions.replicas.ownership import SessionOwnership
 from sessions.settings import RedisConfig, ReplicaConfig
 from storage.atomic_files import write_atomic
 from storage.metadata_store import MetadataStore
@@ -76,7 +76,7 @@ def start_ownership(
     tiers: TierManager,
     invalidate: Callable[[CacheKey], None],
 ) -> SessionOwnership:
-    """Register this replica and start keeping its leases (see `sessions.ownership`)."""
+    """Register this replica and start keeping its leases (see `sessions.replicas.ownership`)."""
 
     def cache_bytes() -> int:
         return sum(tiers.usage().bytes.values())

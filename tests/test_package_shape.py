@@ -1,0 +1,137 @@
+"""The shape of the packages (docs/architecture.md, "Packages and dependencies"), checked on the
+source: which package may import which, no import circles (type-only ones included), no module
+too long to read, and a public API that does not load torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("sessions", "cache", "storage", "app")
+MAX_MODULE_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            if "migrations" in path.parts and "versions" in path.parts:
+                continue
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> Iterator[tuple[str, str]]:
+    """(imported module, the statement's `from` part) of every import in the file, wherever it
+    is (function bodies and `if TYPE_CHECKING:` blocks included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                yield (target if target in MODULES else node.module), node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, alias.name
+
+
+def _ours(module: str) -> str | None:
+    top = module.split(".")[0]
+    return top if top in PACKAGES else None
+
+
+def test_the_faces_go_through_the_sessions_package_only() -> None:
+    wrong = [
+        f"{name} imports {source}"
+        for name, path in MODULES.items()
+        if name.startswith("app")
+        for _, source in _imports(path)
+        if _ours(source) not in (None, "app") and source != "sessions"
+    ]
+    assert wrong == []
+
+
+def test_cache_and_storage_import_nothing_above_them_nor_each_other() -> None:
+    allowed = {"cache": {"cache"}, "storage": {"storage"}}
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if _ours(name) in allowed
+        for target, _ in _imports(path)
+        if _ours(target) is not None and _ours(target) not in allowed[_ours(name) or ""]
+    ]
+    assert wrong == []
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    graph = {
+        name: {target for target, _ in _imports(path) if target in MODULES and target != name}
+        for name, path in MODULES.items()
+    }
+    # A package's own `__init__` re-exporting its modules is not a circle through them.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    circles = [component for component in _strongly_connected(graph) if len(component) > 1]
+    assert circles == []
+
+
+def test_no_module_is_longer_than_a_reader_keeps_in_mind() -> None:
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_public_api_imports_no_torch() -> None:
+    """`import sessions` (settings, records, errors, the admin operations) starts fast: the CLI
+    talking to a server, and offline admin commands, never load torch or Gradio."""
+    probe = "import sys, sessions; print(sorted(m for m in ('torch', 'transformers', 'gradio') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iteratively (the module graph is deep)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for target in edges:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(sorted(component))
+    return components
