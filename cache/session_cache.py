@@ -315,6 +315,47 @@ class SessionCache:
         """Same tensors with an edited layer table (pinning, precision marks)."""
         return replace(self, layers=tuple(layers))
 
+    def prefix(self, stream_end: int, *, transcript_digest: str, rendering_digest: str) -> SessionCache | None:
+        """The cache of the conversation's first `stream_end` stream tokens, for a fork that keeps
+        the turns before that point: the same tensors, sliced (views: the cache is immutable, so
+        sharing is copying for free), with the layer table cut where the stream ends.
+
+            stream     | base | turn 0 ......... | turn 1 .... | closing | turn 2 ... |
+            prefix     | base | turn 0 ......... | turn 1 .... |                     stream_end
+
+        The KV of a token depends only on the tokens before it, so the prefix is exactly what a
+        prefill of those tokens computes, provided nothing before `stream_end` was windowed: no
+        turn demoted (the layers are contiguous from the base, at their original positions), no
+        token evicted, nothing stored at a lower precision. Otherwise returns `None` (the fork is
+        rebuilt from its transcript, as a window change is), as it does when the cache does not
+        reach `stream_end`.
+        """
+        if self.own_stream_index is not None or not self.base_tokens <= stream_end <= self.next_original_index:
+            return None
+        layers: list[LayerSpan] = []
+        expected = self.base_tokens
+        for span in self.layers:
+            if span.original_start >= stream_end:
+                break
+            exact = span.precision == "exact" and not span.evicted_tokens
+            if not exact or span.original_start != expected or span.position_start != span.original_start:
+                return None
+            kept = min(span.token_count, stream_end - span.original_start)
+            layers.append(replace(span, token_count=kept))
+            expected = span.original_start + span.token_count
+        if expected < stream_end:
+            return None
+        held = stream_end - self.base_tokens
+        return replace(
+            self,
+            own_keys=tuple(k[:, :, :held] for k in self.own_keys),
+            own_values=tuple(v[:, :, :held] for v in self.own_values),
+            own_token_ids=self.own_token_ids[:held],
+            layers=tuple(layers),
+            transcript_digest=transcript_digest,
+            rendering_digest=rendering_digest,
+        )
+
 
 def span_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int, int]]:
     """(span, offset of its held tokens in the own tensors, offset of its ids in `own_token_ids`)."""

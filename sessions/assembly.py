@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 import torch
 from sqlalchemy import Engine as Database
@@ -31,6 +33,8 @@ from cache.window_policy import WindowPolicy
 from sessions.catalogue import SessionCatalogue
 from sessions.engine import Engine
 from sessions.errors import ModelUnavailable
+from sessions.forks import Forks
+from sessions.history_lookup import HistoryLookup
 from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
 from sessions.model_source import load_model
@@ -38,6 +42,7 @@ from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStor
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
+from sessions.retention import Retention
 from sessions.settings import Settings, TierConfig
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
@@ -47,6 +52,7 @@ from sessions.turn_service import TurnService
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
 from storage.database import open_database, upgrade
+from storage.history_store import HistoryStore
 from storage.keyring import TenantKeys, load_master_key
 from storage.metadata_store import MetadataStore
 from storage.replica_store import ReplicaStore
@@ -78,6 +84,10 @@ class ManagerParts:
     tenants: Tenants
     catalogue: SessionCatalogue
     turns: TurnService
+    history: HistoryStore
+    forks: Forks
+    lookup: HistoryLookup
+    retention: Retention
 
 
 def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
@@ -164,6 +174,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         tenants=tenants,
         catalogue=catalogue,
         turns=turns,
+        **_history_parts(settings, database, registry, tiers, transcripts, template, metrics, catalogue),
     )
     if replicas.replica_id is not None:
         invalidate = _local_invalidation(transcripts, tiers)
@@ -230,6 +241,45 @@ def _services(
         reuse_kv=settings.reuse_kv,
     )
     return tenants, catalogue, turns
+
+
+def _history_parts(
+    settings: Settings,
+    database: Database,
+    registry: Registry,
+    tiers: TierManager,
+    transcripts: Transcripts,
+    template: ChatTemplate,
+    metrics: Metrics,
+    catalogue: SessionCatalogue,
+) -> dict[str, Any]:
+    """The parts that find sessions by posted histories, fork them and expire them."""
+    history = HistoryStore(database)
+    forks = Forks(
+        registry=registry, history=history, tiers=tiers, transcripts=transcripts, template=template, metrics=metrics
+    )
+
+    def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:
+        record = registry.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
+        return record.last_active_at if record is not None else None
+
+    return {
+        "history": history,
+        "forks": forks,
+        "lookup": HistoryLookup(
+            history=history,
+            tiers=tiers,
+            forks=forks if settings.fork_sessions else None,
+            open_session=lambda t, system, turns: catalogue.open(t, system, None, turns, origin="implicit"),
+            delete_session=catalogue.delete,
+        ),
+        "retention": Retention(
+            history=history,
+            delete=catalogue.delete,
+            last_active=last_active,
+            default_retention_s=settings.implicit_retention_s,
+        ),
+    }
 
 
 def close_parts(parts: ManagerParts, lease_wait_s: float) -> None:

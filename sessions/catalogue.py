@@ -16,14 +16,22 @@ from cache.session_cache import LayerSpan, SessionCache
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS
-from sessions.errors import ContextTooLong, HistoryTooLong, InvalidInput, SessionBusy, SessionNotFound
+from sessions.errors import (
+    ContextTooLong,
+    HistoryTooLong,
+    InvalidInput,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+)
 from sessions.records import RestoreResult, SessionInfo
-from sessions.registry import SESSION_ID_PREFIX, Registry
+from sessions.registry import SESSION_ID_PREFIX, Registry, check_session_name
 from sessions.replicas.role import Replicas
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
 from sessions.turn.runner import TurnRunner
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
+from storage.errors import AlreadyExists
 from storage.metadata_store import MetadataStore
 
 MAX_TITLE_CHARS = 200
@@ -104,8 +112,15 @@ class SessionCatalogue:
         system_prompt: str | None,
         title: str | None,
         history: Sequence[tuple[str, str]] = (),
+        *,
+        origin: str = "explicit",
+        name: str | None = None,
     ) -> SessionId:
-        """Create a session; see `SessionManager.open_session` for the arguments and errors."""
+        """Create a session; see `SessionManager.open_session` for the arguments and errors.
+        `origin`: `explicit`, `implicit` (for a posted history) or `named` (with the client's
+        `name`: `InvalidInput` if malformed, `SessionExists` if the tenant uses it)."""
+        if name is not None:
+            check_session_name(name)
         if system_prompt is not None:
             check_text(system_prompt, "system_prompt", MAX_MESSAGE_CHARS)
         if title is not None:
@@ -117,6 +132,22 @@ class SessionCatalogue:
             if needed > self.context_budget_tokens:
                 raise ContextTooLong(needed, self.context_budget_tokens, what="system prompt")
         session_id = SessionId(SESSION_ID_PREFIX + secrets.token_hex(12))
+        try:
+            self._create(tenant_id, session_id, system_prompt, title, messages, origin, name)
+        except AlreadyExists:
+            raise SessionExists(f"the session {name} exists already") from None
+        return session_id
+
+    def _create(
+        self,
+        tenant_id: TenantId,
+        session_id: SessionId,
+        system_prompt: str | None,
+        title: str | None,
+        messages: list[tuple[str, str, tuple[int, ...]]],
+        origin: str,
+        name: str | None,
+    ) -> None:
         self._metadata.create_session(
             tenant_id=tenant_id,
             session_id=session_id,
@@ -125,8 +156,9 @@ class SessionCatalogue:
             model_fingerprint=self._fingerprint,
             pinned_turns=(0,) if self._pin_first_turn else (),
             messages=messages,
+            origin=origin,
+            name=name,
         )
-        return session_id
 
     def _history_messages(self, history: Sequence[tuple[str, str]]) -> list[tuple[str, str, tuple[int, ...]]]:
         """`open`'s history as messages to store, counted against the limits as it is tokenised

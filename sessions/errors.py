@@ -42,6 +42,12 @@ class SessionNotFound(ChatKVError):
         super().__init__(f"session not found: {session_id}")
 
 
+class SessionExists(ChatKVError):
+    """A client-chosen session id the tenant uses already (a new named session must be new)."""
+
+    http_status = 409
+
+
 class SessionBusy(ChatKVError):
     """A turn is already in flight on this session; turns of one session run one at a time."""
 

@@ -31,11 +31,20 @@ from sessions.assembly import ManagerParts, assemble, close_parts
 from sessions.cancellation import CancelToken
 from sessions.catalogue import MAX_TITLE_CHARS, SessionDetail
 from sessions.engine import Engine
-from sessions.errors import BackendUnavailable, HomeLocked, InvalidInput, InvalidSettings, ManagerClosed
+from sessions.errors import (
+    BackendUnavailable,
+    HomeLocked,
+    InvalidInput,
+    InvalidSettings,
+    ManagerClosed,
+    TenantNotFound,
+)
+from sessions.history_lookup import HistoryTurn
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
+from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper
 from sessions.sampling import SamplingParams
-from sessions.settings import Settings
+from sessions.settings import MAX_DURATION_S, Settings
 from sessions.turn.stop_strings import StopStrings
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.home_lock import HomeLock, HomeLockedError
@@ -80,6 +89,7 @@ class SessionManager:
             self._home_lock.release()
             raise
         self._closed = False
+        self._sweeper: RetentionSweeper | None = None
         parts = self._parts
         # The parts operators and tests reach for by name.
         self.engine = parts.engine
@@ -109,6 +119,8 @@ class SessionManager:
         if self._closed:
             return
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.close()
         self._parts.runner.cancel_all(ManagerClosed("the chatkv manager was closed during this turn"))
         try:
             close_parts(self._parts, CLOSE_LEASE_WAIT_S)
@@ -180,6 +192,7 @@ class SessionManager:
         title: str | None = None,
         *,
         history: Sequence[tuple[str, str]] = (),
+        name: str | None = None,
     ) -> SessionId:
         """Create a session.
 
@@ -190,16 +203,34 @@ class SessionManager:
                 At most `MAX_HISTORY_TURNS` turns and `HISTORY_CONTEXT_MULTIPLE` times the model's
                 context in tokens (`sessions.catalogue`): only the turns that fit the context
                 window are prefilled, and a longer history is work with nothing to show for it.
+            name: an id the client chooses (`sessions.registry.SESSION_NAME_RULE`), unique in the
+                tenant: every call takes it in place of the session's id.
 
         Raises:
-            InvalidInput: for a non-string prompt or history text, or an overlong title.
+            InvalidInput: for a non-string prompt or history text, an overlong title, a bad name.
+            SessionExists: if the tenant has a session called `name`.
             HistoryTooLong: for a history over the limits above (counting stops at the limit).
             ContextTooLong: if the system prompt leaves less than `MIN_TURN_TOKENS` of the
                 context window for the conversation.
         """
         self._check_open()
         tenant_id = self._parts.registry.tenant_id(tenant)
-        return self._parts.catalogue.open(tenant_id, system_prompt, title, history)
+        origin = "named" if name is not None else "explicit"
+        return self._parts.catalogue.open(tenant_id, system_prompt, title, history, origin=origin, name=name)
+
+    def fork(self, tenant: TenantRef, session_id: str, at_turn: int) -> SessionId:
+        """A new session holding the first `at_turn` turns of the tenant's session `session_id`
+        (0: only its system prompt), its cache that session's KV up to there, from whichever tier
+        holds it (`sessions.forks`). The parent is untouched; the fork records it (`parent_id`,
+        `fork_turns` in `SessionInfo`). Regenerating reply `i` is `fork(..., i)` followed by its
+        user message again; editing user message `i` is `fork(..., i)` followed by the new text.
+
+        Raises:
+            SessionNotFound: if the session is not the tenant's.
+            InvalidInput: if `at_turn` is not between 0 and the session's turn count.
+        """
+        self._check_open()
+        return self._parts.forks.fork(self._parts.registry.tenant_id(tenant), session_id, at_turn).session_id
 
     def find_sessions_by_history(
         self, tenant: TenantRef, system_prompt: str | None, turns: Sequence[tuple[str, str]]
@@ -348,7 +379,76 @@ class SessionManager:
             tenant_id, session_id, message, params, stop_strings, expected_turns=expected_turns, cancel=cancel
         )
 
+    def continue_history(
+        self,
+        tenant: TenantRef,
+        system_prompt: str | None,
+        history: Sequence[tuple[str, str]],
+        message: str,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        cancel: CancelToken | None = None,
+    ) -> HistoryTurn:
+        """A turn for a conversation its client brings along whole (the stateless pattern of
+        OpenAI clients): `history` holds the earlier turns as `(user text, reply text as returned:
+        Reply.text)`. The session is chosen when the turn starts (`sessions.history_lookup`):
+        the tenant's session whose whole history this is (continue), a fork of one holding it
+        and more (regenerate, edit, retry: warm from its KV), or a new session holding it. Iterate
+        the result for the pieces, then the `Reply`; its `session_id` and `action` are set by the
+        first item. A session made for the turn goes again unless the turn completes.
+
+        Raises (at the first item): as `stream_chat`, and `HistoryTooLong`.
+        """
+        self._check_open()
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        stop_strings = StopStrings(stop)
+        check_text(message, "message", MAX_MESSAGE_CHARS)
+        if not message.strip():
+            raise InvalidInput("message must be a non-empty string")
+        tenant_id = self._parts.registry.tenant_id(tenant)
+        turns = self._parts.turns
+
+        def start(session_id: SessionId, expected_turns: int | None) -> Generator[str | Reply, None, None]:
+            if cancel is not None:
+                cancel.check()
+            return turns.stream(
+                tenant_id, session_id, message, params, stop_strings, expected_turns=expected_turns, cancel=cancel
+            )
+
+        return self._parts.lookup.turn(tenant_id, system_prompt, history, start)
+
     # -- operations ----------------------------------------------------------------------------
+
+    def expire_sessions(self) -> int:
+        """Delete the implicit sessions and uncontinued forks whose idle TTL ran out
+        (`sessions.retention`); `chatkv serve` does it every few minutes. Returns how many."""
+        return len(self._parts.retention.expire())
+
+    def start_retention_sweeps(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
+        """Expire sessions every `interval_s` in a background thread until `close()`."""
+        if self._sweeper is None:
+            self._sweeper = RetentionSweeper(self._parts.retention, interval_s)
+
+    def set_tenant_retention(self, tenant: TenantRef, retention_s: float | None) -> None:
+        """The tenant's own idle TTL of implicit sessions and forks, in seconds (`None`: the
+        server's `Settings.implicit_retention_s`).
+
+        Raises:
+            InvalidInput: for a TTL that is not in (0, 100 years].
+        """
+        if retention_s is not None and (
+            isinstance(retention_s, bool)
+            or not isinstance(retention_s, int | float)
+            or not 0 < retention_s <= MAX_DURATION_S
+        ):
+            raise InvalidInput(f"a retention must be in (0, 100 years] seconds, got {retention_s!r}")
+        tenant_id = self._parts.registry.tenant_id(tenant)
+        if not self._parts.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
+            raise TenantNotFound(str(tenant_id))
 
     def set_replica_url(self, url: str) -> None:
         """The URL this process serves at (`chatkv serve` calls it), shown to clients of other
@@ -386,6 +486,19 @@ class SessionManager:
             "prefill_tokens_saved": value(m.prefill_tokens_saved),
             "evictions": evictions,
             "integrity_failures": sum(value(m.integrity_failures, t.value) for t in LOCAL_TIERS),
+            "tenants": {
+                tenant_id: {
+                    "cached_tokens": cached,
+                    "prefilled_tokens": prefilled,
+                    "hit_rate_tokens": cached / (cached + prefilled) if cached + prefilled else 0.0,
+                }
+                for tenant_id, (cached, prefilled) in sorted(m.tenant_tokens().items())
+            },
+            "forks": {
+                source: value(m.forks, source)
+                for source in ("device", "host", "disk", "redis", "rebuilt", "new")
+                if value(m.forks, source)
+            },
             "model": self.model_name,
             "model_fingerprint": self._parts.engine.fingerprint,
             "context_budget_tokens": self._parts.context_budget_tokens,

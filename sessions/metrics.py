@@ -6,6 +6,7 @@ labels appear only with `Settings.metrics_tenant_labels` (bounded tenant counts)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -128,6 +129,22 @@ class Metrics:
             "chatkv_turns", "Completed turns by where the cache came from", ["restored_from"], registry=r
         )
         self.tenant_turns = Counter("chatkv_tenant_turns", "Completed turns per tenant", ["tenant"], registry=r)
+        self.prompt_tokens = Counter(
+            "chatkv_prompt_tokens",
+            "Prompt tokens of completed turns: served from the cache (source=cache) or prefilled "
+            "(source=prefill), per tenant (tenant=* without tenant labels)",
+            ["tenant", "source"],
+            registry=r,
+        )
+        self.forks = Counter(
+            "chatkv_forks",
+            "Sessions forked from another's prefix, by where the fork's cache came from "
+            "(device, host, disk, redis; rebuilt: prefilled from the transcript)",
+            ["source"],
+            registry=r,
+        )
+        self._tenant_tokens: dict[str, tuple[int, int]] = {}
+        self._tenant_tokens_lock = threading.Lock()
         self.evictions = Counter(
             "chatkv_evictions",
             "Caches moved down a tier (to=dropped: discarded)",
@@ -203,6 +220,18 @@ class Metrics:
         self.queue_seconds.observe(queue_s)
         if self._tenant_labels:
             self.tenant_turns.labels(tenant_id).inc()
+        label = tenant_id if self._tenant_labels else "*"
+        self.prompt_tokens.labels(label, "cache").inc(reused_tokens)
+        self.prompt_tokens.labels(label, "prefill").inc(prefill_tokens)
+        with self._tenant_tokens_lock:
+            cached, prefilled = self._tenant_tokens.get(tenant_id, (0, 0))
+            self._tenant_tokens[tenant_id] = (cached + reused_tokens, prefilled + prefill_tokens)
+
+    def tenant_tokens(self) -> dict[str, tuple[int, int]]:
+        """Prompt tokens of each tenant's turns since start: `(served from cache, prefilled)`
+        (what `chatkv stats` shows per tenant, whatever the label settings)."""
+        with self._tenant_tokens_lock:
+            return dict(self._tenant_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry (with the `replica` label, if any)."""

@@ -36,6 +36,15 @@ class SessionInfo:
     last_active_at: datetime
     tier: str | None = None
     """`device`, `host`, `disk`, or `None` when no cache is stored (it is rebuilt on the next turn)."""
+    name: str | None = None
+    """The id its client chose (`X-Session-ID` the tenant had not used), if it chose one."""
+    parent_id: SessionId | None = None
+    """The session it was forked from (regenerate, edit, retry, a branch), if it is a fork."""
+    fork_turns: int | None = None
+    """How many of the parent's turns the fork started with."""
+    origin: str = "explicit"
+    """`explicit`, `implicit` (made for a posted history), `named` or `fork`: implicit sessions and
+    forks nobody continued expire after an idle TTL (`Settings.implicit_retention_s`)."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ Placement = Callable[[TenantId, SessionId], str | None]
 TENANT_ID_PREFIX = "tn_"
 SESSION_ID_PREFIX = "s_"
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+SESSION_NAME_RULE = "1-128 of A-Z a-z 0-9 _ . : - starting with a letter or digit, not starting 's_'"
 
 
 def check_tenant_name(name: object) -> str:
@@ -39,6 +41,14 @@ def check_tenant_name(name: object) -> str:
     starting alphanumeric, and not starting with the id prefix (so names and ids never clash)."""
     if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name) or name.startswith(TENANT_ID_PREFIX):
         raise InvalidInput(f"invalid tenant name {name!r}: use 1-64 of A-Z a-z 0-9 _ . - (not starting 'tn_')")
+    return name
+
+
+def check_session_name(name: object) -> str:
+    """A client-chosen session id (`X-Session-ID` a tenant has not used). Raises `InvalidInput`
+    unless it follows `SESSION_NAME_RULE` (the `s_` prefix is chatkv's own ids')."""
+    if not isinstance(name, str) or not _SESSION_NAME.fullmatch(name) or name.startswith(SESSION_ID_PREFIX):
+        raise InvalidInput(f"invalid session id {name!r}: a new session id must be {SESSION_NAME_RULE}")
     return name
 
 
@@ -84,7 +94,8 @@ class Registry:
     # -- sessions ------------------------------------------------------------------------------
 
     def session_record(self, tenant_id: TenantId, session_id: str) -> SessionRecord:
-        """The tenant's session. Raises `SessionNotFound` (for another tenant's id too)."""
+        """The tenant's session, by its id or the name its client chose. Raises `SessionNotFound`
+        (for another tenant's id too)."""
         if not valid_id(session_id):
             raise SessionNotFound(repr(session_id))
         record = self.metadata.get_session(tenant_id=tenant_id, session_id=str(session_id))
@@ -105,6 +116,10 @@ class Registry:
             created_at=record.created_at,
             last_active_at=record.last_active_at,
             tier=self.placement(TenantId(record.tenant_id), SessionId(record.id)),
+            name=record.name,
+            parent_id=SessionId(record.parent_id) if record.parent_id else None,
+            fork_turns=record.fork_turns,
+            origin=record.origin,
         )
 
     def sessions(self, tenant_id: TenantId | None = None, idle_before: datetime | None = None) -> list[SessionInfo]:
@@ -114,8 +129,9 @@ class Registry:
 
     def message_records(self, tenant_id: TenantId, session_id: str) -> list[MessageRecord]:
         """The transcript in order. Raises `SessionNotFound`."""
-        records = self.metadata.messages(tenant_id=tenant_id, session_id=session_id) if valid_id(session_id) else None
-        if records is None:
+        record = self.session_record(tenant_id, session_id)
+        records = self.metadata.messages(tenant_id=tenant_id, session_id=record.id)
+        if records is None:  # deleted since the read above
             raise SessionNotFound(str(session_id))
         return records
 

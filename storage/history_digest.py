@@ -44,3 +44,12 @@ def history_digest(system_prompt: str | None, turns: Iterable[tuple[str, str]]) 
     for user_text, reply_text in turns:
         digest = extend_digest(digest, user_text, reply_text)
     return digest
+
+
+def digest_chain(system_prompt: str | None, turns: Iterable[tuple[str, str]]) -> list[str]:
+    """The digest after each turn: `[d1, ..., dn]` (see the module docstring)."""
+    chain, digest = [], start_digest(system_prompt)
+    for user_text, reply_text in turns:
+        digest = extend_digest(digest, user_text, reply_text)
+        chain.append(digest)
+    return chain

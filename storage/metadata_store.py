@@ -11,15 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from storage.database import Repository
 from storage.errors import AlreadyExists, SessionGone
-from storage.history_digest import extend_digest, history_digest
+from storage.history_digest import digest_chain, extend_digest, history_digest
 from storage.replica_store import OwnerToken, check_owner
-from storage.schema import CacheBlobRow, MessageRow, SessionRow, TenantRow, utcnow
+from storage.schema import CacheBlobRow, MessageRow, SessionRow, TenantRow, TurnDigestRow, utcnow
 
 MessageValues = tuple[str, str, Sequence[int]]
 """A message to store: `(role, text, token_ids)`."""
@@ -51,6 +51,10 @@ class SessionRecord:
     created_at: datetime
     last_active_at: datetime
     history_digest: str | None = None
+    parent_id: str | None = None
+    fork_turns: int | None = None
+    name: str | None = None
+    origin: str = "explicit"
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,10 @@ def _session(row: SessionRow, message_count: int) -> SessionRecord:
         created_at=row.created_at,
         last_active_at=row.last_active_at,
         history_digest=row.history_digest,
+        parent_id=row.parent_id,
+        fork_turns=row.fork_turns,
+        name=row.name,
+        origin=row.origin,
     )
 
 
@@ -213,12 +221,52 @@ class MetadataStore(Repository):
         pinned_turns: Sequence[int] = (),
         messages: Sequence[MessageValues] = (),
         token_count: int = 0,
+        origin: str = "explicit",
+        name: str | None = None,
     ) -> SessionRecord:
         """Create a session, with `messages` already in its transcript (a history imported from a
-        client; alternating user and assistant messages). Its history digest covers them."""
+        client; alternating user and assistant messages). Its history digest covers them, and each
+        of their turns is indexed (`turn_digests`, without a stream length: they were not fed here).
+
+        Raises:
+            AlreadyExists: if the tenant has a session called `name`.
+        """
         pairs = _turn_texts(messages)
         if pairs is None:
             raise ValueError("a session's initial messages must alternate user and assistant, from a user message")
+        try:
+            return self._create_session(
+                tenant_id,
+                session_id,
+                title,
+                system_prompt,
+                model_fingerprint,
+                pinned_turns,
+                messages,
+                pairs,
+                token_count,
+                origin,
+                name,
+            )
+        except IntegrityError as exc:
+            if name is None:  # a foreign key: the tenant was deleted meanwhile
+                raise
+            raise AlreadyExists(f"session name taken: {name}") from exc
+
+    def _create_session(
+        self,
+        tenant_id: str,
+        session_id: str,
+        title: str | None,
+        system_prompt: str | None,
+        model_fingerprint: str,
+        pinned_turns: Sequence[int],
+        messages: Sequence[MessageValues],
+        pairs: list[tuple[str, str]],
+        token_count: int,
+        origin: str,
+        name: str | None,
+    ) -> SessionRecord:
         with self._unit() as db:
             now = utcnow()
             row = SessionRow(
@@ -232,9 +280,15 @@ class MetadataStore(Repository):
                 created_at=now,
                 last_active_at=now,
                 history_digest=history_digest(system_prompt, pairs),
+                origin=origin,
+                name=name,
             )
             db.add(row)
             db.flush()
+            for index, digest in enumerate(digest_chain(system_prompt, pairs)):
+                db.add(
+                    TurnDigestRow(session_id=session_id, turn_index=index, tenant_id=tenant_id, history_digest=digest)
+                )
             for index, (role, text, ids) in enumerate(messages):
                 db.add(
                     MessageRow(
@@ -261,9 +315,13 @@ class MetadataStore(Repository):
             return list(db.scalars(query))
 
     def get_session(self, *, tenant_id: str, session_id: str) -> SessionRecord | None:
+        """The tenant's session with this id, or with this client-chosen name (the two never clash:
+        names cannot take the form of ids)."""
         with self._unit() as db:
             row = db.scalars(
-                select(SessionRow).where(SessionRow.id == session_id, SessionRow.tenant_id == tenant_id)
+                select(SessionRow).where(
+                    or_(SessionRow.id == session_id, SessionRow.name == session_id), SessionRow.tenant_id == tenant_id
+                )
             ).first()
             if row is None:
                 return None
@@ -333,6 +391,9 @@ class MetadataStore(Repository):
         With `owner` (replicas sharing the database), the turn is stored only while that lease
         still holds the session (`storage.replica_store.check_owner`).
 
+        The turn is indexed for the longest-prefix lookup (`turn_digests`: its history digest and
+        the stream length `token_count` after it).
+
         Returns the index of the first appended message.
 
         Raises:
@@ -364,6 +425,14 @@ class MetadataStore(Repository):
                     raise SessionGone(session_id)
                 # The row is locked by the update above: the digest read here is the latest one.
                 digest = db.scalar(select(SessionRow.history_digest).where(SessionRow.id == session_id))
+                start = int(
+                    db.scalar(
+                        select(func.coalesce(func.max(MessageRow.index) + 1, 0)).where(
+                            MessageRow.session_id == session_id
+                        )
+                    )
+                    or 0
+                )
                 if digest is not None:
                     # Messages that are not whole turns leave a history no client could post.
                     for user_text, reply_text in turns or ():
@@ -373,14 +442,16 @@ class MetadataStore(Repository):
                         .where(SessionRow.id == session_id)
                         .values(history_digest=digest if turns is not None else None)
                     )
-                start = int(
-                    db.scalar(
-                        select(func.coalesce(func.max(MessageRow.index) + 1, 0)).where(
-                            MessageRow.session_id == session_id
+                    if turns is not None and len(turns) == 1:
+                        db.add(
+                            TurnDigestRow(
+                                session_id=session_id,
+                                turn_index=start // 2,
+                                tenant_id=tenant_id,
+                                history_digest=digest,
+                                token_count=token_count,
+                            )
                         )
-                    )
-                    or 0
-                )
                 for offset, (role, text, ids) in enumerate(messages):
                     db.add(
                         MessageRow(

@@ -62,6 +62,8 @@ class TenantRow(Base):
     master_key_id: Mapped[str | None] = mapped_column(String(32), default=None)
     api_key_salt: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
     api_key_hash: Mapped[bytes | None] = mapped_column(LargeBinary, default=None)
+    implicit_retention_s: Mapped[float | None] = mapped_column(Float, default=None)
+    """Idle TTL of this tenant's implicit sessions and forks in seconds (NULL: the server's)."""
 
     sessions: Mapped[list[SessionRow]] = relationship(
         back_populates="tenant", cascade="all, delete-orphan", passive_deletes=True
@@ -70,7 +72,11 @@ class TenantRow(Base):
 
 class SessionRow(Base):
     __tablename__ = "sessions"
-    __table_args__ = (Index("ix_sessions_tenant_history", "tenant_id", "history_digest"),)
+    __table_args__ = (
+        Index("ix_sessions_tenant_history", "tenant_id", "history_digest"),
+        Index("ix_sessions_origin_active", "origin", "last_active_at"),
+        UniqueConstraint("tenant_id", "name", name="uq_sessions_tenant_name"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -86,6 +92,15 @@ class SessionRow(Base):
     history_digest: Mapped[str | None] = mapped_column(String(64), default=None)
     """SHA-256 chain over the history as its client saw it (`storage.history_digest`); NULL for
     sessions older than migration 0004, which the implicit lookup then never finds."""
+    parent_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    """The session this one was forked from (it may have been deleted since)."""
+    fork_turns: Mapped[int | None] = mapped_column(Integer, default=None)
+    """How many of the parent's turns the fork started with."""
+    name: Mapped[str | None] = mapped_column(String(128), default=None)
+    """The id the client chose for the session (unique per tenant), if it chose one."""
+    origin: Mapped[str] = mapped_column(String(8), default="explicit", server_default="explicit")
+    """`explicit` (created by id), `implicit` (found no session for a posted history), `named` (a
+    client-chosen id), `fork`: implicit and fork sessions expire after an idle TTL."""
 
     tenant: Mapped[TenantRow] = relationship(back_populates="sessions")
     messages: Mapped[list[MessageRow]] = relationship(
@@ -109,6 +124,21 @@ class MessageRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     session: Mapped[SessionRow] = relationship(back_populates="messages")
+
+
+class TurnDigestRow(Base):
+    """One turn of a session as a posted history finds it: the digest of the history through the
+    turn as its client saw it, and the stream length after the turn's reply (NULL for turns
+    brought along in a posted history: their tokens were not fed here as a turn)."""
+
+    __tablename__ = "turn_digests"
+    __table_args__ = (Index("ix_turn_digests_tenant_digest", "tenant_id", "history_digest"),)
+
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True)
+    turn_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    history_digest: Mapped[str] = mapped_column(String(64))
+    token_count: Mapped[int | None] = mapped_column(Integer, default=None)
 
 
 class CacheBlobRow(Base):

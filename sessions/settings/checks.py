@@ -36,6 +36,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "threads": (lambda v: v >= 1, ">= 1"),
     "max_concurrent_requests_per_tenant": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "session_retention_s": (lambda v: 0 < v <= MAX_DURATION_S, "in (0, 100 years]"),
+    "implicit_retention_s": (lambda v: 0 < v <= MAX_DURATION_S, "in (0, 100 years]"),
     "redis_url": (
         lambda v: isinstance(v, str) and re.fullmatch(r"rediss?://\S+", v) is not None,
         "redis://... or rediss://...",

@@ -40,7 +40,9 @@ _INTEGER_FIELDS = frozenset(
         "max_concurrent_requests_per_tenant",
     }
 )
-_BOOLEAN_FIELDS = frozenset({"pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv", "redis_cluster"})
+_BOOLEAN_FIELDS = frozenset(
+    {"pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv", "redis_cluster", "fork_sessions"}
+)
 _PATH_FIELDS = frozenset({"home", "model_cache_dir"})
 
 

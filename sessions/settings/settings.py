@@ -165,6 +165,10 @@ class Settings:
     max_batch_requests: int = 0
     """Turns per forward pass (0: every running turn). 1 turns batching off (turns take turns)."""
 
+    fork_sessions: bool = True
+    """A posted history that a session holds but is not its whole history (regenerate, edit,
+    retry) forks that session, warm from its KV; off, it starts a new session that prefills it (a
+    baseline for `benchmarks/chat_trace.py`)."""
     reuse_kv: bool = True
     """Continue each session from its cache. Off, every turn re-prefills the whole conversation
     (the rebuild path, without the prefix pool) and no cache is kept: a baseline for benchmarks
@@ -175,6 +179,10 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     session_retention_s: float | None = None
     """Sessions idle longer than this are removed by `gc`; `None` keeps them forever."""
+    implicit_retention_s: float = 30 * 86400.0
+    """Sessions made for a posted history (stateless clients) and forks nobody continued expire
+    after this long idle (a sliding TTL, OpenAI's 30 days for stored responses by default); a
+    tenant may have its own (`chatkv tenants retention`). Explicit and named sessions are kept."""
     metrics_tenant_labels: bool = False
     """Label per-tenant metrics with the tenant id (only when the number of tenants is bounded)."""
 

@@ -1,0 +1,163 @@
+"""Forks: a session starting from another's KV up to one of its turns (regenerate, edit, retry,
+branches). Each fork's reply is compared with a full re-prefill of its conversation (invariant 1)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from sessions.engine import Engine
+from sessions.errors import InvalidInput, SessionNotFound
+from sessions.manager import SessionManager
+from sessions.records import Reply
+from tests.sessions.offload_helpers import key_of, open_manager, reference_reply
+
+SYSTEM = "You are terse."
+MESSAGES = ["Name a colour.", "Name another one.", "And a third?", "Which is warmest?"]
+TOKENS = 6
+
+
+def conversation(manager: SessionManager, tenant: str, turns: int) -> str:
+    sid = manager.open_session(tenant, SYSTEM)
+    for message in MESSAGES[:turns]:
+        manager.chat(tenant, sid, message, max_new_tokens=TOKENS)
+    return sid
+
+
+def returned(manager: SessionManager, tenant: str, sid: str) -> list[tuple[str, str]]:
+    texts = [m.text for m in manager.history(tenant, sid)]
+    return list(zip(texts[::2], texts[1::2], strict=True))
+
+
+def test_a_fork_holds_the_first_turns_and_continues_warm_and_exact(tiny_manager: SessionManager) -> None:
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    parent = conversation(manager, tenant, 3)
+    before = manager.history(tenant, parent)
+    fork = manager.fork(tenant, parent, 2)
+    info = manager.session_info(tenant, fork)
+    assert (info.parent_id, info.fork_turns, info.origin, info.message_count) == (parent, 2, "fork", 4)
+    assert [(m.role, m.text, m.token_ids) for m in manager.history(tenant, fork)] == [
+        (m.role, m.text, m.token_ids) for m in before[:4]
+    ]
+    expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
+    reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
+    assert reply.token_ids == expected
+    assert reply.stats.restored_from == "device" and reply.stats.reused_tokens > 0
+    assert manager.history(tenant, parent) == before  # the parent is untouched
+    follow = manager.chat(tenant, parent, MESSAGES[3], max_new_tokens=TOKENS)
+    assert follow.stats.restored_from == "device"
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "drop"])
+def test_a_fork_reads_its_parent_where_it_is(tiny_manager: SessionManager, tier: str) -> None:
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    parent = conversation(manager, tenant, 3)
+    manager.flush()
+    manager.evict_session(tenant, parent, tier)
+    fork = manager.fork(tenant, parent, 2)
+    assert manager.tiers.placement(key_of(tenant, parent)) == (
+        None if tier == "drop" else manager.tiers.placement(key_of(tenant, parent))
+    )
+    expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
+    reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
+    assert reply.token_ids == expected
+    assert reply.stats.restored_from == ("rebuilt" if tier == "drop" else "device")
+    forks = manager.stats()["forks"]
+    assert forks == {("rebuilt" if tier == "drop" else tier): 1.0}
+
+
+def test_a_posted_history_continues_forks_or_starts_anew(tiny_manager: SessionManager) -> None:
+    """The stateless decision: the whole history continues its session; a history that a session
+    holds and goes past (regenerate, edit, retry) forks it; another starts a new session."""
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    parent = conversation(manager, tenant, 3)
+    history = returned(manager, tenant, parent)
+
+    def post(turns: list[tuple[str, str]], message: str) -> tuple[Reply, object]:
+        turn = manager.continue_history(tenant, SYSTEM, turns, message, max_new_tokens=TOKENS)
+        items = list(turn)
+        assert isinstance(items[-1], Reply)
+        return items[-1], turn
+
+    _, turn = post(history, MESSAGES[3])  # continue
+    assert (turn.session_id, turn.action) == (parent, "continue")
+    regenerate, turn = post(history[:2], MESSAGES[2])  # regenerate the third reply
+    assert turn.action == "fork" and turn.parent_id == parent and turn.fork_source == "device"
+    assert regenerate.stats.restored_from == "device" and regenerate.stats.reused_tokens > 0
+    assert regenerate.token_ids == reference_reply(manager, tenant, turn.session_id, MESSAGES[2], TOKENS)
+    edited, turn = post(history[:1], "Name a shape.")  # edit the second user message
+    assert turn.action == "fork" and edited.stats.reused_tokens > 0
+    _, turn = post([("Unrelated?", "Yes.")], "Go on.")
+    assert turn.action == "new" and manager.session_info(tenant, turn.session_id).origin == "implicit"
+
+
+def test_another_tenants_identical_history_finds_nothing(tiny_manager: SessionManager) -> None:
+    manager = tiny_manager
+    acme, beta = manager.create_tenant("acme").id, manager.create_tenant("beta").id
+    parent = conversation(manager, acme, 2)
+    history = returned(manager, acme, parent)
+    turn = manager.continue_history(beta, SYSTEM, history[:1], MESSAGES[1], max_new_tokens=TOKENS)
+    reply = list(turn)[-1]
+    assert turn.action == "new" and isinstance(reply, Reply)
+    assert reply.stats.reused_tokens == 0  # not even acme's system prompt: pools are per tenant
+    with pytest.raises(SessionNotFound):
+        manager.fork(beta, parent, 1)
+
+
+def test_a_fork_that_never_completes_a_turn_is_deleted(tiny_manager: SessionManager) -> None:
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    parent = conversation(manager, tenant, 2)
+    history = returned(manager, tenant, parent)
+    turn = manager.continue_history(tenant, SYSTEM, history[:1], "Again", max_new_tokens=500, temperature=1.0, seed=1)
+    assert isinstance(turn.start(), str)
+    fork = turn.session_id
+    turn.close()  # the client went away mid-reply
+    assert [s.id for s in manager.list_sessions(tenant)] == [parent]
+    with pytest.raises(SessionNotFound):
+        manager.session_info(tenant, fork)
+
+
+def test_forks_are_refused_for_turns_a_session_does_not_have(tiny_manager: SessionManager) -> None:
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    parent = conversation(manager, tenant, 1)
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(InvalidInput):
+            manager.fork(tenant, parent, bad)  # type: ignore[arg-type]
+    assert manager.session_info(tenant, manager.fork(tenant, parent, 0)).message_count == 0
+
+
+def test_eight_forks_at_once_while_the_parent_goes_on(tmp_path: Path, tiny_engine: Engine) -> None:
+    with open_manager(tmp_path / "home", tiny_engine) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = conversation(manager, tenant, 2)
+        replies: list[tuple[str, Reply]] = []
+        errors: list[BaseException] = []
+
+        def fork_and_chat(i: int) -> None:
+            try:
+                fork = manager.fork(tenant, parent, 1 + i % 2)
+                replies.append((f"Branch {i}", manager.chat(tenant, fork, f"Branch {i}", max_new_tokens=TOKENS)))
+            except Exception as exc:  # noqa: BLE001 - reported below, with the other threads'
+                errors.append(exc)
+
+        threads = [threading.Thread(target=fork_and_chat, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        parent_reply = manager.chat(tenant, parent, MESSAGES[2], max_new_tokens=TOKENS)
+        for thread in threads:
+            thread.join(60)
+        assert errors == []
+        assert parent_reply.stats.restored_from == "device"
+        assert len(replies) == 8
+        for message, reply in replies:
+            assert reply.stats.reused_tokens > 0
+            i = int(message.split()[1])
+            reference = manager.fork(tenant, parent, 1 + i % 2)  # the same prefix, checked alone
+            assert reply.token_ids == reference_reply(manager, tenant, reference, message, TOKENS)
