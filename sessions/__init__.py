@@ -28,6 +28,7 @@ from sessions.errors import (
     ModelUnavailable,
     ReplicaRetired,
     SessionBusy,
+    SessionExists,
     SessionMoved,
     SessionNotFound,
     SessionOwnedElsewhere,
@@ -47,15 +48,21 @@ from sessions.home import (
 )
 from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
 from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
+from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
 from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
 from sessions.turn.parameters import check_turn_parameters
 from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
 
 if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
+    from sessions.history_lookup import HistoryTurn
     from sessions.manager import SessionManager
 
-_LAZY = {"SessionManager": "sessions.manager", "SessionDetail": "sessions.catalogue"}
+_LAZY = {
+    "SessionManager": "sessions.manager",
+    "SessionDetail": "sessions.catalogue",
+    "HistoryTurn": "sessions.history_lookup",
+}
 
 if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accept any name from here
 
@@ -71,6 +78,8 @@ __all__ = [
     "ADMIN_TOKEN_FILE",
     "MAX_DURATION_S",
     "MAX_MESSAGE_CHARS",
+    "SESSION_ID_PREFIX",
+    "SESSION_NAME_RULE",
     "AdminOps",
     "BackendUnavailable",
     "CancelToken",
@@ -79,6 +88,7 @@ __all__ = [
     "ContextTooLong",
     "FinishReason",
     "HistoryTooLong",
+    "HistoryTurn",
     "HomeLock",
     "HomeLocked",
     "HomeLockedError",
@@ -98,6 +108,7 @@ __all__ = [
     "RestoreSource",
     "SessionBusy",
     "SessionDetail",
+    "SessionExists",
     "SessionId",
     "SessionInfo",
     "SessionManager",
@@ -112,6 +123,7 @@ __all__ = [
     "TurnCancelled",
     "TurnStats",
     "admin_token",
+    "check_session_name",
     "check_text",
     "check_turn_parameters",
     "check_unlocked",

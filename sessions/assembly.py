@@ -174,7 +174,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         tenants=tenants,
         catalogue=catalogue,
         turns=turns,
-        **_history_parts(settings, database, registry, tiers, transcripts, template, metrics, catalogue),
+        **_history_parts(settings, database, replicas, registry, tiers, transcripts, template, metrics, catalogue),
     )
     if replicas.replica_id is not None:
         invalidate = _local_invalidation(transcripts, tiers)
@@ -246,6 +246,7 @@ def _services(
 def _history_parts(
     settings: Settings,
     database: Database,
+    replicas: Replicas,
     registry: Registry,
     tiers: TierManager,
     transcripts: Transcripts,
@@ -256,7 +257,13 @@ def _history_parts(
     """The parts that find sessions by posted histories, fork them and expire them."""
     history = HistoryStore(database)
     forks = Forks(
-        registry=registry, history=history, tiers=tiers, transcripts=transcripts, template=template, metrics=metrics
+        registry=registry,
+        history=history,
+        tiers=tiers,
+        transcripts=transcripts,
+        template=template,
+        replicas=replicas,
+        metrics=metrics,
     )
 
     def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:

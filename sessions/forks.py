@@ -27,6 +27,7 @@ from cache.tiers import BlobRejected, CacheKey, Tier
 from sessions.errors import InvalidInput, SessionNotFound
 from sessions.metrics import Metrics
 from sessions.registry import SESSION_ID_PREFIX, Registry
+from sessions.replicas.role import Replicas
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate, TemplateDivergence, rendering_digest
 from sessions.turn.transcript import Transcript
@@ -57,6 +58,8 @@ class Forks:
         tiers: where the parent's cache is read, and the fork's placed.
         transcripts: the fork's transcript (its cache must match it).
         template: renders the fork's conversation (the digest its cache records).
+        replicas: the fork's ownership lease while its cache is placed (among replicas, a cache
+            placed without it would be dropped as another replica's when the fork's turn takes it).
         metrics: counts forks by the source of their cache.
     """
 
@@ -68,6 +71,7 @@ class Forks:
         tiers: TierManager,
         transcripts: Transcripts,
         template: ChatTemplate,
+        replicas: Replicas,
         metrics: Metrics,
     ) -> None:
         self._registry = registry
@@ -75,6 +79,7 @@ class Forks:
         self._tiers = tiers
         self._transcripts = transcripts
         self._template = template
+        self._replicas = replicas
         self._metrics = metrics
 
     def fork(self, tenant_id: TenantId, parent: str, turns: int, *, origin: str = "fork") -> Fork:
@@ -107,7 +112,7 @@ class Forks:
         """Place the parent's cache, cut after the fork turn, as the fork's device copy. Returns
         the tier it was read from, or `None` when there is nothing exact to reuse."""
         found = self._parent_cache(CacheKey.for_session(tenant_id, parent))
-        if found is None:
+        if found is None or not self._of_transcript(tenant_id, parent, found[0]):
             return None
         cache, tier = found
         record = self._registry.session_record(tenant_id, fork)
@@ -118,9 +123,21 @@ class Forks:
             prefix = cache.prefix(stream_end, transcript_digest=transcript.digest, rendering_digest=rendered)
         if prefix is None:
             return None
-        with self._tiers.lease(CacheKey.for_session(tenant_id, fork)) as lease:
+        key = CacheKey.for_session(tenant_id, fork)
+        with self._replicas.hold(key), self._tiers.lease(key) as lease:
             lease.commit(prefix)
         return tier.value
+
+    def _of_transcript(self, tenant_id: TenantId, parent: SessionId, cache: SessionCache) -> bool:
+        """Whether the parent's cache was computed from the parent's transcript (through as many
+        turns as it holds): KV computed from another transcript is never reused."""
+        if not cache.layers or cache.layers[-1].turn_index is None:
+            return False
+        held_turns = cache.layers[-1].turn_index + 1
+        transcript = self._transcripts.get(tenant_id, parent, self._registry.session_record(tenant_id, parent))
+        if held_turns > len(transcript.turns):
+            return False
+        return Transcript(transcript.system_prompt, transcript.turns[:held_turns]).digest == cache.transcript_digest
 
     def _parent_cache(self, key: CacheKey) -> tuple[SessionCache, Tier] | None:
         """The parent's cache where it is (not moved), its base attached, and its tier."""

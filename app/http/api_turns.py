@@ -37,15 +37,17 @@ from pydantic import BaseModel, Field
 from app.http.api_errors import ApiError
 from sessions import (
     MAX_MESSAGE_CHARS,
+    SESSION_ID_PREFIX,
     CancelToken,
     ChatKVError,
     Claimed,
+    HistoryTurn,
     InProgress,
     InvalidInput,
     KeyReused,
     Replay,
     Reply,
-    SessionBusy,
+    SessionExists,
     SessionManager,
     SessionNotFound,
     Tenant,
@@ -175,7 +177,7 @@ class StartedTurn:
     tenant: Tenant
     session_id: str
     first: str | Reply
-    rest: TurnStream
+    rest: TurnStream | HistoryTurn
     created: bool = False
     """The session was made for this turn (deleted again unless the turn completes)."""
     reply: Reply | None = field(default=None, init=False)
@@ -210,7 +212,7 @@ class StartedTurn:
                 self.manager.delete_session(self.tenant, self.session_id)
 
 
-def _chain(first: str | Reply, rest: TurnStream) -> Iterator[str | Reply]:
+def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
     yield first
     yield from rest
 
@@ -252,17 +254,72 @@ def continue_history(
     params: TurnParams,
     cancel: CancelToken | None = None,
 ) -> StartedTurn:
-    """Continue the tenant's session whose history is `system_prompt` + `history` (see the module),
-    or start one that holds it."""
-    for session_id in manager.find_sessions_by_history(tenant, system_prompt, history):
+    """The turn of a posted history (`SessionManager.continue_history`: continue, fork or a new
+    session), run to its first item. A session made for it goes again unless the turn completes.
+
+    Raises:
+        ChatKVError: the turn was refused (nothing stored).
+    """
+    turn = manager.continue_history(
+        tenant,
+        system_prompt,
+        history,
+        message,
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=params.stop,
+        cancel=cancel,
+    )
+    first = turn.start()
+    if turn.session_id is None:
+        raise RuntimeError("bug: a started history turn has no session")
+    return StartedTurn(manager, tenant, turn.session_id, first, turn)
+
+
+def named_turn(
+    manager: SessionManager,
+    tenant: Tenant,
+    session_id: str,
+    system_prompt: str | None,
+    history: Sequence[tuple[str, str]],
+    message: str,
+    params: TurnParams,
+    cancel: CancelToken | None = None,
+) -> StartedTurn:
+    """The turn of a session the client names (`X-Session-ID`, `session_id`), run to its first item.
+
+    A name the tenant has not used starts a session under it, holding the posted history
+    (`SessionManager.open_session(name=...)`; deleted again unless this turn completes). A session
+    that exists takes the new message alone (with its own system message, if any), or the whole
+    conversation when the posted history is exactly its own (stateless clients that name their
+    sessions).
+
+    Raises:
+        SessionNotFound: for an unknown id of chatkv's own form (`s_...`), another tenant's too.
+        InvalidInput: for a new name outside the documented form, or a history that is not the
+            session's.
+    """
+    try:
+        info = manager.session_info(tenant, session_id)
+    except SessionNotFound:
+        if session_id.startswith(SESSION_ID_PREFIX):
+            raise
         try:
-            return start_turn(manager, tenant, session_id, message, params, expected_turns=len(history), cancel=cancel)
-        except (SessionBusy, SessionNotFound):  # a turn in flight, moved on, or deleted meanwhile
-            continue
-    if cancel is not None:
-        cancel.check()
-    session_id = manager.open_session(tenant, system_prompt, history=history)
-    return start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel)
+            created = manager.open_session(tenant, system_prompt, history=history, name=session_id)
+        except SessionExists:  # another request named it first: go on with that one
+            return named_turn(manager, tenant, session_id, system_prompt, history, message, params, cancel)
+        return start_turn(manager, tenant, created, message, params, created=True, cancel=cancel)
+    if system_prompt is not None and system_prompt != info.system_prompt:
+        raise InvalidInput("the system message differs from the session's system prompt")
+    if history and info.id not in manager.find_sessions_by_history(tenant, system_prompt, history):
+        raise InvalidInput(
+            "the posted history is not this session's: send only the new user message, or its whole history "
+            "as it was returned"
+        )
+    expected = len(history) if history else None
+    return start_turn(manager, tenant, info.id, message, params, expected_turns=expected, cancel=cancel)
 
 
 class PromptTokensDetails(BaseModel):

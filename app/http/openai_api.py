@@ -51,8 +51,8 @@ from app.http.api_turns import (
     Usage,
     check_message,
     continue_history,
+    named_turn,
     run_watching_disconnect,
-    start_turn,
     usage,
 )
 from app.http.sse import DONE, EventStream, event
@@ -279,13 +279,22 @@ def _complete(
                 cancel,
             )
         else:
-            _check_explicit(manager, tenant, session_id, conversation)
-            turn = start_turn(manager, tenant, session_id, conversation.message, params, cancel=cancel)
+            turn = named_turn(
+                manager,
+                tenant,
+                session_id,
+                conversation.system_prompt,
+                conversation.history,
+                conversation.message,
+                params,
+                cancel,
+            )
     except BaseException:
         guard.release()
         raise
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
-    headers = {SESSION_HEADER: turn.session_id}
+    # A client that named the session gets its own name back.
+    headers = {SESSION_HEADER: session_id if session_id is not None else turn.session_id}
     if body.stream:
         head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
         return EventStream(_chunks(turn, head, include_usage, guard), headers=headers)
@@ -404,17 +413,6 @@ def _session_id(header: str | None, field: str | None) -> str | None:
     if header is not None and field is not None and header != field:
         raise InvalidInput(f"the {SESSION_HEADER} header and the session_id field name different sessions")
     return header if header is not None else field
-
-
-def _check_explicit(manager: SessionManager, tenant: Tenant, session_id: str, conversation: Conversation) -> None:
-    """With a session id, only the new message is sent (and the session's own system message)."""
-    info = manager.session_info(tenant, session_id)
-    if conversation.history:
-        raise InvalidInput(
-            f"with a session id ({SESSION_HEADER}), send only the new user message: the session holds the history"
-        )
-    if conversation.system_prompt is not None and conversation.system_prompt != info.system_prompt:
-        raise InvalidInput("the system message differs from the session's system prompt")
 
 
 def _completion(reply_id: str, model: str, reply: Reply) -> ChatCompletion:

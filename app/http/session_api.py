@@ -6,6 +6,10 @@
     DELETE /v1/sessions/{id}
     POST   /v1/sessions/{id}/messages        a turn: the reply with usage and stats, or SSE events
     POST   /v1/sessions/{id}/prefetch        start restoring the cache to the device now    202
+    POST   /v1/sessions/{id}/fork            a fork keeping its first `at_turn` turns       201
+
+A session created with a `name` (or by an `X-Session-ID` the tenant had not used) is reached by
+that name on every route.
 
 Same key, limits and error shape as the OpenAI routes (`app.http.api_auth`, `app.http.api_errors`); another
 tenant's session id is a 404 exactly like a missing one. Sampling defaults to greedy here
@@ -42,7 +46,17 @@ from app.http.api_turns import (
 from app.http.openai_api import SESSION_HEADER, AssistantMessage
 from app.http.prefetch import Prefetcher
 from app.http.sse import DONE, EventStream, event
-from sessions import CancelToken, ChatKVError, Message, Reply, RestoreSource, SessionInfo, SessionManager, Tenant
+from sessions import (
+    SESSION_NAME_RULE,
+    CancelToken,
+    ChatKVError,
+    Message,
+    Reply,
+    RestoreSource,
+    SessionInfo,
+    SessionManager,
+    Tenant,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +68,21 @@ class SessionCreate(BaseModel):
 
     system_prompt: str | None = Field(default=None, description="The session's system prompt (fixed for its life).")
     title: str | None = Field(default=None, description="A label, up to 200 characters.")
+    name: str | None = Field(
+        default=None,
+        description=f"An id of your choosing, unique in your tenant ({SESSION_NAME_RULE}); every route and "
+        "`X-Session-ID` then take it in place of the session's id.",
+    )
+
+
+class ForkCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    at_turn: int = Field(
+        description="How many of the session's turns the fork keeps (0: only its system prompt). Regenerating "
+        "reply i is a fork at i followed by user message i again; editing user message i, a fork at i followed "
+        "by the new text."
+    )
 
 
 class SessionOut(BaseModel):
@@ -66,6 +95,14 @@ class SessionOut(BaseModel):
     message_count: int
     token_count: int = Field(description="Tokens of the conversation so far (demoted turns included).")
     tier: str | None = Field(description="Where the cache is: `device`, `host`, `disk`, or null (rebuilt).")
+    name: str | None = Field(default=None, description="The id the client chose for the session, if any.")
+    origin: Literal["explicit", "implicit", "named", "fork"] = Field(
+        default="explicit",
+        description="How it was made: `implicit` sessions (for a posted history) and forks nobody continued "
+        "expire when idle (CHATKV_IMPLICIT_RETENTION_S).",
+    )
+    parent_id: str | None = Field(default=None, description="The session it was forked from, for a fork.")
+    fork_turns: int | None = Field(default=None, description="How many of the parent's turns the fork kept.")
 
 
 class SessionList(BaseModel):
@@ -151,8 +188,14 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
     @router.post("/sessions", status_code=status.HTTP_201_CREATED, response_model=SessionOut)
     def create_session(body: SessionCreate, tenant: TenantDep) -> SessionOut:
         """Create a session."""
-        session_id = manager.open_session(tenant, system_prompt=body.system_prompt, title=body.title)
+        session_id = manager.open_session(tenant, system_prompt=body.system_prompt, title=body.title, name=body.name)
         return _session(manager.session_info(tenant, session_id))
+
+    @router.post("/sessions/{session_id}/fork", status_code=status.HTTP_201_CREATED, response_model=SessionOut)
+    def fork_session(session_id: str, body: ForkCreate, tenant: TenantDep) -> SessionOut:
+        """A new session holding the session's first `at_turn` turns, its cache warm from the
+        session's KV (from whichever tier holds it); the session itself is untouched."""
+        return _session(manager.session_info(tenant, manager.fork(tenant, session_id, body.at_turn)))
 
     @router.get("/sessions", response_model=SessionList)
     def list_sessions(tenant: TenantDep) -> SessionList:
@@ -301,6 +344,10 @@ def _session(info: SessionInfo) -> SessionOut:
         message_count=info.message_count,
         token_count=info.token_count,
         tier=info.tier,
+        name=info.name,
+        origin=info.origin,  # type: ignore[arg-type]  # one of the four the registry writes
+        parent_id=info.parent_id,
+        fork_turns=info.fork_turns,
     )
 
 

@@ -161,3 +161,54 @@ def test_eight_forks_at_once_while_the_parent_goes_on(tmp_path: Path, tiny_engin
             i = int(message.split()[1])
             reference = manager.fork(tenant, parent, 1 + i % 2)  # the same prefix, checked alone
             assert reply.token_ids == reference_reply(manager, tenant, reference, message, TOKENS)
+
+
+def test_a_windowed_parent_is_forked_by_rebuilding_exactly(tmp_path: Path, tiny_engine: Engine) -> None:
+    """The parent's window demoted turn 0 (its later turns were computed without it in view), so
+    its KV is no fork's: the fork rebuilds from its transcript, like a fresh session would."""
+    with open_manager(tmp_path / "home", tiny_engine, context_budget_tokens=90) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = conversation(manager, tenant, 4)
+        assert [s.turn_index for s in manager.inspect_session(tenant, parent).layers][1] != 0  # turn 0 went
+        fork = manager.fork(tenant, parent, 2)
+        expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
+        reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
+        assert reply.stats.restored_from == "rebuilt" and reply.stats.demoted_tokens == 0
+        assert reply.token_ids == expected
+        assert manager.stats()["forks"] == {"rebuilt": 1.0}
+
+
+def test_a_quantised_parent_is_forked_by_rebuilding_exactly(tmp_path: Path, tiny_engine: Engine) -> None:
+    with open_manager(
+        tmp_path / "home", tiny_engine, offload_precision="int8", quant_residual_tokens=0, persist="on_evict"
+    ) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = conversation(manager, tenant, 3)
+        manager.evict_session(tenant, parent, "host")
+        fork = manager.fork(tenant, parent, 2)
+        expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
+        reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
+        assert reply.stats.restored_from == "rebuilt"
+        assert reply.token_ids == expected
+
+
+def test_a_fork_reads_its_parent_from_the_shared_redis_tier(
+    tmp_path: Path, tiny_engine: Engine, redis_url: str, redis_prefix: str
+) -> None:
+    """Another replica's session, published to Redis when that replica stopped: the fork's cache
+    comes from Redis without this replica taking the parent over."""
+    shared = {
+        "database_url": f"sqlite:///{tmp_path / 'shared.db'}",
+        "redis_url": redis_url,
+        "redis_prefix": redis_prefix,
+    }
+    with open_manager(tmp_path / "a", tiny_engine, replica_id="a", **shared) as first:
+        tenant = first.create_tenant("acme").id
+        parent = conversation(first, tenant, 3)
+    with open_manager(tmp_path / "b", tiny_engine, replica_id="b", **shared) as second:
+        assert second.inspect_session(tenant, parent).shared_copy
+        fork = second.fork(tenant, parent, 2)
+        expected = reference_reply(second, tenant, fork, "Something else.", TOKENS)
+        reply = second.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
+        assert reply.stats.restored_from == "device" and reply.token_ids == expected
+        assert second.stats()["forks"] == {"redis": 1.0}
