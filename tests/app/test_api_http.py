@@ -619,6 +619,84 @@ def test_sessions_named_wrongly_are_refused_and_another_tenants_is_a_404_like_a_
     assert server.stored() == before
 
 
+def test_a_session_named_by_its_client_is_made_under_that_name_per_tenant(server: Server) -> None:
+    named = {"X-Session-ID": "conv-42"}
+    first = server.post("/chat/completions", _chat(server, "Hi", temperature=0), headers=named)
+    assert first.status_code == 200 and first.headers["x-session-id"] == "conv-42"
+    again = server.post("/chat/completions", _chat(server, "More", temperature=0), headers=named)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    session = server.get("/sessions/conv-42").json()
+    assert (session["name"], session["origin"], session["message_count"]) == ("conv-42", "named", 4)
+    # Stateless clients that name their sessions post the whole history each time: taken when it
+    # is the session's own, refused when it is not.
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "More"},
+        {"role": "assistant", "content": again.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Last"},
+    ]
+    whole = server.post("/chat/completions", {**_chat(server), "messages": history}, headers=named)
+    assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    wrong = server.post("/chat/completions", {**_chat(server), "messages": history[2:]}, headers=named)
+    assert "not this session's" in _error(wrong, 400, "invalid_request")
+    # The same name in another tenant is another session; deleting one frees its name.
+    beta = server.post("/chat/completions", _chat(server, "Hi"), tenant="beta", headers=named)
+    assert beta.status_code == 200 and server.get("/sessions/conv-42", tenant="beta").json()["message_count"] == 2
+    assert (
+        httpx.delete(
+            f"{server.url}/sessions/conv-42", headers={"Authorization": f"Bearer {server.keys['acme']}"}
+        ).status_code
+        == 200
+    )
+    anew = server.post("/chat/completions", _chat(server, "Hi again"), headers=named)
+    assert anew.status_code == 200 and server.get("/sessions/conv-42").json()["message_count"] == 2
+    for bad in ("has space", "x" * 129, "-dash-first", "a/b"):
+        assert "invalid session id" in _error(
+            server.post("/chat/completions", _chat(server), headers={"X-Session-ID": bad}), 400, "invalid_request"
+        )
+    _error(
+        server.post("/chat/completions", _chat(server), headers={"X-Session-ID": "s_unknown"}), 404, "session_not_found"
+    )
+
+
+def test_a_stateless_regenerate_or_edit_forks_the_session_warm(server: Server) -> None:
+    turns, session_id = [], None
+    for text in ("One", "Two", "Three"):
+        messages = [*turns, {"role": "user", "content": text}]
+        answer = server.post("/chat/completions", {**_chat(server, temperature=0), "messages": messages})
+        session_id = session_id or answer.headers["x-session-id"]
+        assert answer.headers["x-session-id"] == session_id
+        turns = [*messages, {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]}]
+    holders = {session_id}  # sessions holding the first turns: any of them may be forked
+    for kept, text in ((4, "Three"), (2, "Two, edited")):  # regenerate the last reply; edit message 2
+        answer = server.post(
+            "/chat/completions",
+            {**_chat(server, temperature=0), "messages": [*turns[:kept], {"role": "user", "content": text}]},
+        )
+        fork = answer.headers["x-session-id"]
+        assert fork not in holders and answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        info = server.get(f"/sessions/{fork}").json()
+        assert info["parent_id"] in holders and (info["fork_turns"], info["origin"]) == (kept // 2, "fork")
+        holders.add(fork)
+    assert server.get(f"/sessions/{session_id}").json()["message_count"] == 6  # the parent is untouched
+
+
+def test_a_fork_is_asked_for_by_session_and_turn(server: Server) -> None:
+    session_id = server.manager.open_session("acme", "Be terse.")
+    for text in ("One", "Two"):
+        server.post(f"/sessions/{session_id}/messages", {"content": text, "max_tokens": 3})
+    made = server.post(f"/sessions/{session_id}/fork", {"at_turn": 1})
+    assert made.status_code == 201, made.text
+    fork = made.json()
+    assert (fork["parent_id"], fork["fork_turns"], fork["message_count"], fork["origin"]) == (session_id, 1, 2, "fork")
+    reply = server.post(f"/sessions/{fork['id']}/messages", {"content": "Other", "max_tokens": 3}).json()
+    assert reply["stats"]["restored_from"] == "device" and reply["stats"]["reused_tokens"] > 0
+    for body in ({"at_turn": 3}, {"at_turn": -1}, {"at_turn": "1"}, {}):
+        _error(server.post(f"/sessions/{session_id}/fork", body), 400, "invalid_request")
+    _error(server.post(f"/sessions/{session_id}/fork", {"at_turn": 1}, tenant="beta"), 404, "session_not_found")
+
+
 # -- native session routes ------------------------------------------------------------------------
 
 

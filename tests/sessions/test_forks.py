@@ -12,7 +12,7 @@ from sessions.engine import Engine
 from sessions.errors import InvalidInput, SessionNotFound
 from sessions.manager import SessionManager
 from sessions.records import Reply
-from tests.sessions.offload_helpers import key_of, open_manager, reference_reply
+from tests.sessions.offload_helpers import key_of, one_torch_thread, open_manager, reference_reply
 
 SYSTEM = "You are terse."
 MESSAGES = ["Name a colour.", "Name another one.", "And a third?", "Which is warmest?"]
@@ -212,3 +212,36 @@ def test_a_fork_reads_its_parent_from_the_shared_redis_tier(
         reply = second.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
         assert reply.stats.restored_from == "device" and reply.token_ids == expected
         assert second.stats()["forks"] == {"redis": 1.0}
+
+
+@pytest.mark.real_model
+def test_regenerate_edit_and_retry_are_warm_and_exact_on_the_real_model(tmp_path: Path, real_engine: Engine) -> None:
+    """The stateless paths of a chat UI on the default model: each reply equals a full re-prefill
+    of its conversation (greedy), and each fork prefilled less than its whole history."""
+    with one_torch_thread(), open_manager(tmp_path / "home", real_engine) as manager:
+        tenant = manager.create_tenant("acme").id
+        history: list[tuple[str, str]] = []
+        for message in MESSAGES[:3]:
+            reply = run(manager.continue_history(tenant, SYSTEM, history, message, max_new_tokens=16))
+            history.append((message, reply.text))
+        made = []
+        for name, posted, message in [
+            ("regenerate", history[:2], MESSAGES[2]),
+            ("edit", history[:1], "Name a fruit instead."),
+            ("retry", history[:2], MESSAGES[2]),
+        ]:
+            turn = manager.continue_history(tenant, SYSTEM, posted, message, max_new_tokens=16)
+            reply = run(turn)
+            assert turn.action == "fork" and turn.parent_id is not None, name
+            whole = reply.stats.prefill_tokens + reply.stats.reused_tokens
+            assert reply.stats.reused_tokens > whole // 2, name
+            made.append((name, turn.parent_id, len(posted), message, reply))
+        for name, parent, turns, message, reply in made:  # references after: they are sessions too
+            check = manager.fork(tenant, parent, turns)
+            assert reply.token_ids == reference_reply(manager, tenant, check, message, 16), name
+
+
+def run(turn: object) -> Reply:
+    items = list(turn)  # type: ignore[call-overload]
+    assert isinstance(items[-1], Reply)
+    return items[-1]
