@@ -143,6 +143,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         ),
         share_base=tier_config.share_base,
         reuse_kv=settings.reuse_kv,
+        restore_or_recompute=settings.restore_or_recompute,
     )
     metrics.watch_tiers(tiers.usage)
     metrics.watch_engine(engine.loop.stats, runner.preparing_by_tenant)

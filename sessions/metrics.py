@@ -143,6 +143,13 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.restore_choices = Counter(
+            "chatkv_restore_choices",
+            "Turns whose cache was in a lower tier, by what they did: restore it, or recompute (prefill "
+            "its tokens again, estimated cheaper)",
+            ["choice"],
+            registry=r,
+        )
         self._tenant_tokens: dict[str, tuple[int, int]] = {}
         self._tenant_tokens_lock = threading.Lock()
         self.evictions = Counter(
@@ -206,8 +213,11 @@ class Metrics:
         ttft_s: float,
         restored_from: str,
         queue_s: float = 0.0,
+        restore_choice: str | None = None,
     ) -> None:
         self.cache_queries.labels("tokens").inc(prefill_tokens + reused_tokens)
+        if restore_choice is not None:
+            self.restore_choices.labels(restore_choice).inc()
         self.cache_hits.labels("tokens").inc(reused_tokens)
         self.cache_queries.labels("turns").inc()
         if reused_tokens:

@@ -84,6 +84,13 @@ class TurnStats:
     (a stop string cut the reply inside a token: the next turn rebuilds)."""
     queue_s: float = 0.0
     """From submitting the turn to the engine loop to the first step that ran it (part of `ttft_s`)."""
+    restore_choice: Literal["restore", "recompute"] | None = None
+    """For a cache found in a lower tier (host, disk, Redis): restored, or its tokens prefilled
+    again because that was estimated cheaper (`sessions.turn.costs`); `None` otherwise."""
+    restore_estimate_s: float | None = None
+    """The estimated restore time the choice compared (`None`: not measured enough yet)."""
+    recompute_estimate_s: float | None = None
+    """The estimated time to prefill the cached tokens again (`None`: not measured enough yet)."""
 
 
 @dataclass(frozen=True)

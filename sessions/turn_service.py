@@ -185,5 +185,14 @@ class TurnService:
         self._transcripts.put(tenant_id, session_id, transcript)
         s = reply.stats
         self._metrics.record_turn(
-            tenant_id, s.prefill_tokens, s.reused_tokens, s.decode_tokens, s.ttft_s, s.restored_from, s.queue_s
+            tenant_id,
+            s.prefill_tokens,
+            s.reused_tokens,
+            s.decode_tokens,
+            s.ttft_s,
+            s.restored_from,
+            s.queue_s,
+            s.restore_choice,
         )
+        # What this turn's prefill cost, for the next restore-or-recompute choice.
+        self._runner.preparer.costs.prefilled(s.prefill_tokens, s.ttft_s - s.restore_s - s.queue_s)

@@ -88,6 +88,9 @@ def make_settings(home: Path, **overrides: object) -> Settings:
         "device_budget_bytes": 2**30,
         "host_budget_bytes": 2**30,
         "disk_budget_bytes": 2**31,
+        # Tests that check which tier a cache came from need it restored, whatever is cheaper;
+        # tests of the choice itself turn it on.
+        "restore_or_recompute": False,
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]

@@ -41,7 +41,15 @@ _INTEGER_FIELDS = frozenset(
     }
 )
 _BOOLEAN_FIELDS = frozenset(
-    {"pin_first_turn", "share_base", "metrics_tenant_labels", "reuse_kv", "redis_cluster", "fork_sessions"}
+    {
+        "pin_first_turn",
+        "share_base",
+        "metrics_tenant_labels",
+        "reuse_kv",
+        "redis_cluster",
+        "fork_sessions",
+        "restore_or_recompute",
+    }
 )
 _PATH_FIELDS = frozenset({"home", "model_cache_dir"})
 

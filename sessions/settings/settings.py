@@ -165,6 +165,10 @@ class Settings:
     max_batch_requests: int = 0
     """Turns per forward pass (0: every running turn). 1 turns batching off (turns take turns)."""
 
+    restore_or_recompute: bool = True
+    """For a cache in a lower tier, take the cheaper of restoring it and prefilling its tokens
+    again, from measured rates (`sessions.turn.costs`); off, a stored cache is always restored
+    (tests and benchmarks that measure the tiers themselves turn it off)."""
     fork_sessions: bool = True
     """A posted history that a session holds but is not its whole history (regenerate, edit,
     retry) forks that session, warm from its KV; off, it starts a new session that prefills it (a

@@ -195,7 +195,7 @@ def _pins_leave_room(cache: SessionCache, spans: Sequence[LayerSpan], budget_tok
 
 
 def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache | None) -> TurnStats:
-    start = prepared.start
+    start, choice = prepared.start, prepared.choice
     return TurnStats(
         prefill_tokens=len(prepared.prefill) + start.base_computed,
         reused_tokens=start.reused_tokens,
@@ -208,4 +208,7 @@ def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache |
         demoted_tokens=start.demoted_tokens,
         cache_tokens=0 if cache is None else cache.total_tokens,
         queue_s=generation.queue_s,
+        restore_choice=None if choice is None else "recompute" if choice.recompute else "restore",
+        restore_estimate_s=None if choice is None else choice.restore_s,
+        recompute_estimate_s=None if choice is None else choice.recompute_s,
     )

@@ -23,6 +23,7 @@ from cache.ids import PrefixKey
 from cache.session_cache import LayerKind, LayerSpan, SessionCache
 from sessions.records import RestoreSource
 from sessions.turn.chat_template import ConversationTokens
+from sessions.turn.costs import RestoreChoice
 from sessions.turn.transcript import Transcript
 
 
@@ -148,12 +149,14 @@ class PreparedTurn:
         start: where its cache starts.
         source: where the cache came from (a tier, `rebuilt`, or `new` for a first turn).
         restore_s: seconds the restore took (0 when nothing was stored).
+        choice: restore or recompute, for a cache that was in a lower tier (`None` otherwise).
     """
 
     ids: TurnIds
     start: TurnStart
     source: RestoreSource
     restore_s: float
+    choice: RestoreChoice | None = None
 
     @property
     def cache(self) -> SessionCache:

@@ -38,12 +38,15 @@ from sessions.errors import ContextTooLong
 from sessions.records import RestoreSource
 from sessions.sampling import SamplingParams
 from sessions.turn.chat_template import ChatTemplate, ConversationTokens, TemplateDivergence
+from sessions.turn.costs import RestoreChoice, RestoreCosts
 from sessions.turn.prepared import PendingBase, PreparedTurn, TurnIds, TurnPlan, TurnStart
 from sessions.turn.transcript import Transcript
 from sessions.turn.window import TurnWindow, restack_kept
 
 log = logging.getLogger(__name__)
 
+_MEASURED = (Tier.HOST, Tier.DISK, Tier.REDIS)
+"""Tiers a turn restores from, whose cost it measures (the device costs nothing)."""
 _TIER_SOURCES: dict[Tier, RestoreSource] = {
     Tier.DEVICE: "device",
     Tier.HOST: "host",
@@ -64,8 +67,11 @@ class TurnPreparer:
         window: WindowPolicy,
         share_base: bool,
         reuse_kv: bool,
+        restore_or_recompute: bool = False,
     ) -> None:
         self.engine = engine
+        self.costs = RestoreCosts()
+        self.restore_or_recompute = restore_or_recompute
         self.template = template
         self.tiers = tiers
         self.window = window
@@ -97,7 +103,14 @@ class TurnPreparer:
         """
         if cancel is not None:
             cancel.check()
-        restored = lease.restore() if self.reuse_kv else Restored(None, None, 0.0)
+        choice = self._restore_choice(lease, transcript) if self.reuse_kv and self.restore_or_recompute else None
+        if choice is not None and choice.recompute:
+            log.info("session %s: prefilling again is estimated cheaper than restoring its cache", session_id)
+            restored = Restored(None, None, 0.0)
+        else:
+            restored = lease.restore() if self.reuse_kv else Restored(None, None, 0.0)
+            if restored.cache is not None and restored.source in _MEASURED:
+                self.costs.restored(restored.source.value, restored.cache.total_tokens, restored.seconds)
         cache = restored.cache
         if cache is not None and not self._matches(cache, transcript):
             log.info("session %s: stored cache does not match the transcript; rebuilding", session_id)
@@ -122,7 +135,18 @@ class TurnPreparer:
             ids, start = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
         if cancel is not None:
             cancel.check()
-        return PreparedTurn(ids, start, source, restored.seconds)
+        return PreparedTurn(ids, start, source, restored.seconds, choice)
+
+    def _restore_choice(self, lease: Lease, transcript: Transcript) -> RestoreChoice | None:
+        """Restore or recompute, when the session's cache is in a lower tier (`None` on the device
+        or nowhere). The tokens either way: the conversation, at most the window."""
+        tier = self.tiers.placement(lease.key)
+        if tier is None and transcript.turns and self.tiers.has_shared_copy(lease.key):
+            tier = Tier.REDIS
+        if tier not in _MEASURED:
+            return None
+        tokens = min(transcript.token_count, self.window.budget_tokens)
+        return self.costs.choose(tier.value, tokens)
 
     # -- reuse ---------------------------------------------------------------------------------
 

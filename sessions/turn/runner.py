@@ -50,12 +50,19 @@ class TurnRunner:
         window: WindowPolicy,
         share_base: bool,
         reuse_kv: bool = True,
+        restore_or_recompute: bool = False,
     ) -> None:
         self.engine = engine
         self.tiers = tiers
         self.reuse_kv = reuse_kv
         self.preparer = TurnPreparer(
-            engine=engine, template=template, tiers=tiers, window=window, share_base=share_base, reuse_kv=reuse_kv
+            engine=engine,
+            template=template,
+            tiers=tiers,
+            window=window,
+            share_base=share_base,
+            reuse_kv=reuse_kv,
+            restore_or_recompute=restore_or_recompute,
         )
         self.rules = TurnRules(template, engine.stop_token_ids, window.budget_tokens)
         self._active: dict[CacheKey, Request] = {}

@@ -44,6 +44,7 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["GRADIO_ANALYTICS_ENABLED"] = "False"
+    env["CHATKV_RESTORE_OR_RECOMPUTE"] = "0"  # the tests check which tier a cache came from
     return {**env, **(extra or {})}
 
 
