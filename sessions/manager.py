@@ -486,7 +486,7 @@ class SessionManager:
             "prefill_tokens_saved": value(m.prefill_tokens_saved),
             "evictions": evictions,
             "integrity_failures": sum(value(m.integrity_failures, t.value) for t in LOCAL_TIERS),
-            "tenants": {
+            "prompt_tokens_by_tenant": {
                 tenant_id: {
                     "cached_tokens": cached,
                     "prefilled_tokens": prefilled,
