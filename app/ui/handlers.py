@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import html
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -253,7 +253,6 @@ class ChatUI:
             max_new_tokens: most tokens of the reply (a slider's float).
             temperature: 0 for greedy decoding.
         """
-        # Over 60 lines: a Gradio generator handler yields each state of the page in order.
         text = message or ""
         tenant = self._tenant(state)
         if isinstance(tenant, View):
@@ -289,43 +288,48 @@ class ChatUI:
             )
         )
         before = state
-        state = replace(state, session_id=session_id)
-        shown = (*state.shown, ("user", text))
-        yield make_view(
-            state,
-            chatbot=chat_messages(shown),
+        yield from self._stream(
+            turn,
+            tenant,
+            replace(state, session_id=session_id),
+            STOPPED_NOTE,
+            lambda **notes: self._undone(before, tenant, text, turn.session_deleted, **notes),
             message=input_update(False, value=""),
-            send_button=input_update(False),
             session_picker=picker,
-            error_line="",
-            stop_button=stop_button_update(True),
-            reply_note="",
             remembered=remembered_value(tenant, session_id) if created else gr.update(),
         )
-        pieces: list[str] = []
-        reply: Reply | None = None
-        failure: Exception | None = None
-        done = False
-        while not done:
-            streamed = len(pieces)
-            for item in turn.next_items():
-                if item is Turn.END:
-                    done = True
-                elif isinstance(item, Reply):
-                    reply = item
-                elif isinstance(item, Exception):
-                    failure = item
-                elif isinstance(item, str):
-                    pieces.append(item)
-            if not done and len(pieces) > streamed:
-                yield make_view(state, chatbot=chat_messages((*shown, ("assistant", "".join(pieces)))))
+
+    def _stream(
+        self,
+        turn: Turn,
+        tenant: Tenant,
+        state: ViewState,
+        stopped_note: str,
+        undo: Callable[..., View],
+        **opening: Any,
+    ) -> Generator[View, None, None]:
+        """The views of a started `turn` on `state`'s session: the user's message with the input
+        disabled and Stop shown (`opening` adds to that view), the reply as it grows, then the
+        stored turn with its stats, or `undo(error_line=..., reply_note=...)`: the tab as it was
+        before the turn, for a turn that failed or was stopped (`stopped_note`)."""
+        shown = (*state.shown, ("user", turn.text))
+        streaming = {
+            "chatbot": chat_messages(shown),
+            "message": input_update(False),
+            "send_button": input_update(False),
+            "error_line": "",
+            "stop_button": stop_button_update(True),
+            "reply_note": "",
+        }
+        yield make_view(state, **(streaming | opening))
+        for partial in turn.partial_replies():
+            yield make_view(state, chatbot=chat_messages((*shown, ("assistant", partial))))
         if turn.stopped:
-            note = note_html(STOPPED_NOTE, kind="stopped")
-            yield self._undone(before, tenant, text, turn.session_deleted, error_line="", reply_note=note)
-        elif reply is None:
-            yield self._failed_turn(before, tenant, text, failure, turn.session_deleted)
+            yield undo(error_line="", reply_note=note_html(stopped_note, kind="stopped"))
+        elif turn.reply is None:
+            yield undo(error_line=error_html(_failure_message(turn.failure)))
         else:
-            yield self._after_turn(state, tenant, session_id, text, reply)
+            yield self._after_turn(state, tenant, turn.session_id, turn.text, turn.reply)
 
     def stop(self, state: ViewState) -> dict[str, Any]:
         """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
@@ -344,15 +348,6 @@ class ChatUI:
         `False` if some are still running after `timeout_s`. The server calls it before closing
         the manager."""
         return self._turns.wait(timeout_s)
-
-    def _failed_turn(
-        self, state: ViewState, tenant: Tenant, text: str, failure: Exception | None, session_deleted: bool
-    ) -> View:
-        if isinstance(failure, ChatKVError):
-            message = str(failure)
-        else:  # a bug, logged by the worker with its traceback
-            message = "the turn failed (internal error, see the server log); nothing was stored"
-        return self._undone(state, tenant, text, session_deleted, error_line=error_html(message))
 
     def _undone(self, state: ViewState, tenant: Tenant, text: str, session_deleted: bool, **notes: Any) -> View:
         """The tab as it was before the send (`state`), the message back in the box to edit or send
@@ -393,6 +388,13 @@ class ChatUI:
             )
         except ChatKVError as exc:  # e.g. the session was deleted by an operator just now
             return view._replace(error_line=error_html(str(exc)))
+
+
+def _failure_message(failure: Exception | None) -> str:
+    """The one line shown for a turn that failed."""
+    if isinstance(failure, ChatKVError):
+        return str(failure)
+    return "the turn failed (internal error, see the server log); nothing was stored"  # a bug, logged by the worker
 
 
 def _no_session_shown() -> dict[str, Any]:
