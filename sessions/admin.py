@@ -233,10 +233,18 @@ class AdminOps:
         """Tenant and session totals plus, over a live manager, `SessionManager.stats()` (`live`:
         true). Offline (`open_home`), the tiers as stored (every cache on disk) and no turn counters:
         they live in the server process (`live`: false, `note` says so). Offline loads no model."""
-        totals: Json = {"tenants": len(self.metadata.list_tenants()), "sessions": len(self.metadata.list_sessions())}
+        tenants = self.metadata.list_tenants()
+        totals: Json = {"tenants": len(tenants), "sessions": len(self.metadata.list_sessions())}
         if self._owns_manager:
             return {**totals, **self._stored_stats(), "live": False, "note": OFFLINE_STATS_NOTE}
-        return {**totals, **self.manager.stats(), "live": True}
+        live = self.manager.stats()
+        names = {t.id: t.name for t in tenants}
+        # Operators read tenants by name; a tenant deleted since its turns ran has none (`null`).
+        live["prompt_tokens_by_tenant"] = {
+            tenant_id: {"tenant": names.get(tenant_id), **figures}
+            for tenant_id, figures in live["prompt_tokens_by_tenant"].items()
+        }
+        return {**totals, **live, "live": True}
 
     def _stored_stats(self) -> Json:
         """Tier usage from the database alone: no process holds a cache on the device or in host

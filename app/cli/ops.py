@@ -25,6 +25,8 @@ def _render_stats(stats: Json) -> None:
         typer.echo(f"note: {stats['note']}")
         return
     evictions = ", ".join(f"{move} {int(n)}" for move, n in stats["evictions"].items()) or "none"
+    # Where each fork's cache came from: a tier of its parent, or `rebuilt` by prefill.
+    forks = ", ".join(f"{source} {int(n)}" for source, n in stats.get("forks", {}).items()) or "none"
     print_pairs(
         [
             ("tenants", stats["tenants"]),
@@ -33,17 +35,31 @@ def _render_stats(stats: Json) -> None:
             ("prefill tokens", f"{int(stats['prefill_tokens'])} run, {int(stats['prefill_tokens_saved'])} saved"),
             ("evictions", evictions),
             ("integrity failures", int(stats["integrity_failures"])),
+            ("forks by source", forks),
             ("model", f"{stats['model']} ({stats['model_fingerprint']})"),
         ]
     )
+    by_tenant = stats.get("prompt_tokens_by_tenant", {})
+    if by_tenant:
+        tenant_rows = [
+            (
+                t["tenant"] or f"{tenant_id} (deleted)",
+                int(t["cached_tokens"]),
+                int(t["prefilled_tokens"]),
+                f"{t['hit_rate_tokens']:.1%}",
+            )
+            for tenant_id, t in sorted(by_tenant.items(), key=lambda item: item[1]["tenant"] or item[0])
+        ]
+        print_table(("tenant", "from cache", "prefilled", "hit rate"), tenant_rows, title="prompt tokens by tenant")
 
 
 def stats_command(ctx: typer.Context, as_json: JsonOption = False, server: ServerOption = None) -> None:
     """Sessions and bytes per tier, budgets used, cache hit rate, prefill tokens saved, evictions.
 
-    With --server: the running server's tiers, and its turn counters (hit rate, prefill tokens,
-    evictions) since it started. Without: the tiers as stored in the home (every cache on disk),
-    without turn counters, and without loading the model.
+    With --server: the running server's tiers, and its turn counters since it started: hit rate,
+    prefill tokens, evictions, forks by the tier their cache came from, and per tenant the prompt
+    tokens served from cache and prefilled. Without: the tiers as stored in the home (every cache
+    on disk), without turn counters, and without loading the model.
     """
     with open_admin(ctx, server) as admin:
         stats = admin.stats()
