@@ -72,11 +72,15 @@ def gc_command(
     as_json: JsonOption = False,
     server: ServerOption = None,
 ) -> None:
-    """Delete sessions idle longer than the retention (CHATKV_SESSION_RETENTION_S, e.g. 30d).
+    """Delete expired implicit sessions, and sessions idle longer than CHATKV_SESSION_RETENTION_S.
 
-    The retention is the server's with --server, else this environment's. Disk orphans (crash
-    leftovers, files without a row, blobs of another model) are removed whenever a manager starts:
-    by the server at its start, or by this command without --server (unless --dry-run).
+    Implicit sessions (made for a posted history) and forks nobody continued go once idle longer
+    than their tenant's retention (`chatkv tenants retention`, else CHATKV_IMPLICIT_RETENTION_S,
+    30d): what `chatkv serve` does by itself every 10 minutes. Any session goes once idle longer
+    than CHATKV_SESSION_RETENTION_S (e.g. 90d; unset: kept). The settings are the server's with
+    --server, else this environment's. Disk orphans (crash leftovers, files without a row, blobs of
+    another model) are removed whenever a manager starts: by the server at its start, or by this
+    command without --server when it deletes something.
     """
     with open_admin(ctx, server) as admin:
         report = admin.gc(dry_run=dry_run)
@@ -84,12 +88,22 @@ def gc_command(
 
 
 def _render_gc(report: Json) -> None:
-    if report["retention_s"] is None:
-        typer.echo("no retention set (CHATKV_SESSION_RETENTION_S, e.g. 30d): sessions are kept")
-        return
     verb = "would remove" if report["dry_run"] else "removed"
+    implicit = report["expired_implicit_sessions"]
+    ttl = duration_text(report["implicit_retention_s"])
+    typer.echo(
+        f"{verb} {count(len(implicit), 'implicit session')} or uncontinued forks idle longer than "
+        f"their tenant's retention (default {ttl})"
+    )
+    _list_expired(implicit)
+    if report["retention_s"] is None:
+        typer.echo("no retention set (CHATKV_SESSION_RETENTION_S, e.g. 30d): other sessions are kept")
+        return
     expired = report["expired_sessions"]
-    sessions = count(len(expired), "session")
-    typer.echo(f"{verb} {sessions} idle longer than {duration_text(report['retention_s'])}")
-    for s in expired:
+    typer.echo(f"{verb} {count(len(expired), 'session')} idle longer than {duration_text(report['retention_s'])}")
+    _list_expired(expired)
+
+
+def _list_expired(sessions: list[Json]) -> None:
+    for s in sessions:
         typer.echo(f"  {s['id']}  tenant {s['tenant']}  last active {when(s['last_active_at'])}")
