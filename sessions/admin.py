@@ -6,13 +6,14 @@ dicts as they are; the CLI without `--server` builds `AdminOps.open_home(setting
 same dicts. So a command gives the same answer whether it runs here or through a server.
 
 Reads that need only the database (tenants, session listings, transcripts, stats, a `gc` dry run)
-do not load the model, nor import torch: they go through the registry (`sessions.registry`), the
-same object the manager reads through, so tenants and sessions are found by the same rules either
-way; this module imports `sessions.manager` only where a manager is needed. Anything touching
-caches, keys or the model loads a `SessionManager` on first use. Without a live manager no cache is
-on the device or in host memory, so a session's tier is `disk` when a cache blob row names it (the
-tier a manager adopts at start-up) and `None` otherwise; and the turn counters (hit rate, prefill
-tokens, evictions) are those of the server process, so offline `stats` leaves them out.
+and setting a tenant's retention do not load the model, nor import torch: they go through the
+registry (`sessions.registry`), the same object the manager reads through, so tenants and sessions
+are found by the same rules either way; this module imports `sessions.manager` only where a manager
+is needed. Anything touching caches, keys or the model loads a `SessionManager` on first use.
+Without a live manager no cache is on the device or in host memory, so a session's tier is `disk`
+when a cache blob row names it (the tier a manager adopts at start-up) and `None` otherwise; and the
+turn counters (hit rate, prefill tokens, evictions) are those of the server process, so offline
+`stats` leaves them out.
 """
 
 from __future__ import annotations
