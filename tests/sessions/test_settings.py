@@ -49,8 +49,6 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "max_batch_requests": ("4", 4),
     "fork_sessions": ("0", False),
     "reuse_kv": ("off", False),
-    "fork_sessions": ("0", False),
-    "implicit_retention_s": ("7d", 7 * 86400.0),
     "max_concurrent_requests_per_tenant": ("5", 5),
     "admin_token": ("s3cret", "s3cret"),
     "session_retention_s": ("30d", 30 * 86400.0),
