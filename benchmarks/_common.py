@@ -10,7 +10,10 @@
 - `naive_first_token`: the naive backend: re-template the whole conversation with
   `tokenizer.apply_chat_template` and re-prefill it with plain `transformers` (a fresh `DynamicCache`
   passed as `cache=`), returning the time to the first greedy token.
-- `print_table`, `median`, `fmt_*`: plain-text output.
+- `chatkv_server` / `stream_turn`: a real `chatkv serve` process on a benchmark home (this checkout's
+  code, `CHATKV_*` settings of the benchmark's choosing) and one streamed chat-completions turn
+  through the official `openai` client, timed to its first content chunk.
+- `print_table`, `median`, `p95`, `fmt_*`: plain-text output.
 
 Benchmarks run as scripts (`.venv/bin/python benchmarks/X.py`), so this module is imported as `_common`
 with the repository root put on `sys.path` (the checkout is measured, not an installed copy).
@@ -26,15 +29,17 @@ import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -49,8 +54,12 @@ from sessions.manager import SessionManager  # noqa: E402
 from sessions.model_source import load_model  # noqa: E402
 from sessions.settings import Settings  # noqa: E402
 
+if TYPE_CHECKING:
+    from openai import OpenAI
+
 DEFAULT_MODEL_CACHE = Path(os.environ.get("CHATKV_BENCH_MODEL_CACHE", REPO / ".cache" / "models"))
 BENCH_MASTER_KEY = "Y2hhdGt2LWJlbmNobWFyay1rZXktMzItYnl0ZXMhISE="  # base64 of 32 bytes; benchmarks only
+SERVER_START_TIMEOUT_S = 300.0
 SYSTEM_PROMPT = "You are a knowledgeable assistant. Answer questions about the texts the user shares."
 
 # Fixed texts the user messages are cut from (written for these benchmarks; no external data).
@@ -285,6 +294,110 @@ def cached_forward_floor_s(engine: Engine, messages: list[dict[str, str]], new_t
     return median(times)
 
 
+# -- a chatkv server over HTTP -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def chatkv_server(home: Path, args: argparse.Namespace, settings: Mapping[str, str], log: Path) -> Iterator[str]:
+    """`chatkv serve` on `home` (this checkout's code) until the block ends; yields its `/v1` URL.
+
+    The server gets the benchmark's device, dtype, threads, model cache and budgets large enough that
+    nothing moves, then `settings` (`CHATKV_*` variables, e.g. `{"CHATKV_REUSE_KV": "0"}`); no
+    `CHATKV_*` variable of the caller's environment reaches it. Its output goes to `log`.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_")}
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "GRADIO_ANALYTICS_ENABLED": "False",
+            "CHATKV_HOME": str(home),
+            "CHATKV_MODEL_CACHE_DIR": str(args.model_cache_dir),
+            "CHATKV_MASTER_KEY": BENCH_MASTER_KEY,
+            "CHATKV_DEVICE": args.device,
+            "CHATKV_DTYPE": args.dtype,
+            "CHATKV_DEVICE_BUDGET_BYTES": "8GiB",
+            "CHATKV_HOST_BUDGET_BYTES": "4GiB",
+            "CHATKV_DISK_BUDGET_BYTES": "16GiB",
+            **({"CHATKV_THREADS": str(args.threads)} if args.threads else {}),
+            **settings,
+        }
+    )
+    command = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_up(url, process, log)
+        yield f"{url}/v1"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_until_up(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"chatkv serve exited with {process.returncode}:\n{log.read_text()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"chatkv serve did not answer within {SERVER_START_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def stream_turn(client: OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streamed, greedy chat-completions turn. TTFT is from sending the request to the first
+    chunk with content (seconds).
+
+    Returns `ttft_s`, `text` (the reply as returned), `session_id` (the `X-Session-ID` header),
+    `finish_reason`, and the usage: `prompt_tokens`, `cached_tokens`, `completion_tokens`.
+    Raises `SystemExit` when the server sends no usage chunk.
+    """
+    started = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    usage = None
+    finish_reason = None
+    with client.chat.completions.with_streaming_response.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ) as response:
+        session_id = response.headers["x-session-id"]
+        for chunk in response.parse():
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    pieces.append(choice.delta.content)
+                finish_reason = choice.finish_reason or finish_reason
+    if usage is None or usage.prompt_tokens_details is None:
+        raise SystemExit("the server sent no usage chunk")
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+        "text": "".join(pieces),
+        "session_id": session_id,
+        "finish_reason": finish_reason,
+        "cached_tokens": usage.prompt_tokens_details.cached_tokens or 0,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+    }
+
+
 # -- page cache --------------------------------------------------------------------------------
 
 
@@ -351,6 +464,12 @@ def drop_page_cache(paths: Sequence[Path], verify_skip: Sequence[str] = (".db-sh
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def p95(values: Sequence[float]) -> float:
+    """The 95th percentile (nearest rank)."""
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))])
 
 
 def fmt_s(seconds: float | None) -> str:

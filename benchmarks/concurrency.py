@@ -25,7 +25,6 @@ import argparse
 import itertools
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from _common import (
     fmt_s,
     median,
     open_manager,
+    p95,
     print_header,
     print_table,
     setup,
@@ -50,11 +50,6 @@ from transformers import DynamicCache
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.records import Reply
-
-
-def p95(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
 class Session:

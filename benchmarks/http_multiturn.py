@@ -22,31 +22,25 @@ identical; batching can flip a near-tie, which is reported, not hidden).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from _common import (
-    BENCH_MASTER_KEY,
-    REPO,
     SYSTEM_PROMPT,
     base_parser,
+    chatkv_server,
     fmt_ratio,
     fmt_s,
     median,
     open_manager,
+    p95,
     print_header,
     print_table,
     setup,
+    stream_turn,
     temp_dir,
     user_message,
     write_json,
@@ -54,8 +48,6 @@ from _common import (
 from openai import OpenAI
 
 from sessions.engine import Engine
-
-START_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -68,99 +60,6 @@ class UserRun:
     completion_tokens: list[int] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
     sessions: set[str] = field(default_factory=set)
-
-
-def p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-
-
-@contextlib.contextmanager
-def chatkv_server(home: Path, args: argparse.Namespace, reuse: bool) -> Iterator[str]:
-    """`chatkv serve` on `home` (this checkout's code) until the block ends; yields its `/v1` URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_")}
-    env.update(
-        {
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-            "GRADIO_ANALYTICS_ENABLED": "False",
-            "CHATKV_HOME": str(home),
-            "CHATKV_MODEL_CACHE_DIR": str(args.model_cache_dir),
-            "CHATKV_MASTER_KEY": BENCH_MASTER_KEY,
-            "CHATKV_DEVICE": args.device,
-            "CHATKV_DTYPE": args.dtype,
-            "CHATKV_REUSE_KV": "1" if reuse else "0",
-            "CHATKV_DEVICE_BUDGET_BYTES": "8GiB",
-            "CHATKV_HOST_BUDGET_BYTES": "4GiB",
-            "CHATKV_DISK_BUDGET_BYTES": "16GiB",
-            **({"CHATKV_THREADS": str(args.threads)} if args.threads else {}),
-        }
-    )
-    log = home.parent / f"server-{'reuse' if reuse else 'prefill'}.log"
-    command = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(port)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_up(url, process, log)
-        yield f"{url}/v1"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def wait_until_up(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"chatkv serve exited with {process.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"chatkv serve did not answer within {START_TIMEOUT_S} s:\n{log.read_text()}")
-
-
-def stream_turn(client: OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streamed turn; TTFT is from sending the request to the first chunk with content."""
-    started = time.perf_counter()
-    ttft = None
-    pieces: list[str] = []
-    usage = None
-    with client.chat.completions.with_streaming_response.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    ) as response:
-        session_id = response.headers["x-session-id"]
-        for chunk in response.parse():
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    ttft = ttft if ttft is not None else time.perf_counter() - started
-                    pieces.append(choice.delta.content)
-    if usage is None or usage.prompt_tokens_details is None:
-        raise SystemExit("the server sent no usage chunk")
-    return {
-        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
-        "text": "".join(pieces),
-        "session_id": session_id,
-        "cached_tokens": usage.prompt_tokens_details.cached_tokens or 0,
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-    }
 
 
 def run_users(url: str, key: str, model: str, messages: list[list[str]], args: argparse.Namespace) -> dict[str, Any]:
@@ -209,7 +108,9 @@ def measure(
     with open_manager(home, engine, args.model_cache_dir) as manager:
         key = manager.issue_api_key(manager.create_tenant("bot"))
         model = manager.model_name
-    with chatkv_server(home, args, reuse) as url:
+    name = "reuse" if reuse else "prefill"
+    settings = {"CHATKV_REUSE_KV": "1" if reuse else "0"}
+    with chatkv_server(home, args, settings, home.parent / f"server-{name}.log") as url:
         warm = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
         stream_turn(warm, model, [{"role": "user", "content": "Warm up."}], 4)  # kernels, allocator
         return run_users(url, key, model, messages, args)

@@ -6,13 +6,14 @@ dicts as they are; the CLI without `--server` builds `AdminOps.open_home(setting
 same dicts. So a command gives the same answer whether it runs here or through a server.
 
 Reads that need only the database (tenants, session listings, transcripts, stats, a `gc` dry run)
-do not load the model, nor import torch: they go through the registry (`sessions.registry`), the
-same object the manager reads through, so tenants and sessions are found by the same rules either
-way; this module imports `sessions.manager` only where a manager is needed. Anything touching
-caches, keys or the model loads a `SessionManager` on first use. Without a live manager no cache is
-on the device or in host memory, so a session's tier is `disk` when a cache blob row names it (the
-tier a manager adopts at start-up) and `None` otherwise; and the turn counters (hit rate, prefill
-tokens, evictions) are those of the server process, so offline `stats` leaves them out.
+and setting a tenant's retention do not load the model, nor import torch: they go through the
+registry (`sessions.registry`), the same object the manager reads through, so tenants and sessions
+are found by the same rules either way; this module imports `sessions.manager` only where a manager
+is needed. Anything touching caches, keys or the model loads a `SessionManager` on first use.
+Without a live manager no cache is on the device or in host memory, so a session's tier is `disk`
+when a cache blob row names it (the tier a manager adopts at start-up) and `None` otherwise; and the
+turn counters (hit rate, prefill tokens, evictions) are those of the server process, so offline
+`stats` leaves them out.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cache.ids import SessionId, TenantId
-from sessions.errors import InvalidInput, SessionNotFound
+from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
 from sessions.registry import Placement, Registry
+from sessions.retention import Retention, check_retention_s, expires_at
 from sessions.settings import MAX_DURATION_S, Settings
 from storage.database import open_database, upgrade
+from storage.history_store import ExpiredSession, HistoryStore
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
 from storage.replica_store import ReplicaStore
 
@@ -117,8 +120,29 @@ class AdminOps:
         per_tier = {tier: sum(1 for s in sessions if s["tier"] == tier) for tier in TIERS}
         return {
             **_tenant_json(record, len(sessions)),
+            "default_implicit_retention_s": self.settings.implicit_retention_s,
             "tokens": sum(s["token_count"] for s in sessions),
             "sessions_by_tier": per_tier,
+        }
+
+    def set_tenant_retention(self, tenant: str, retention_s: float | None) -> Json:
+        """Set the tenant's own idle TTL of implicit sessions and uncontinued forks, in seconds
+        (`None`: back to `Settings.implicit_retention_s`, the server's). Needs only the database:
+        every sweep reads the TTLs afresh, so a server applies it at its next sweep.
+
+        Raises:
+            InvalidInput: for a TTL that is not in (0, 100 years].
+            TenantNotFound: for an unknown tenant.
+        """
+        retention_s = check_retention_s(retention_s)
+        record = self._tenant(tenant)
+        if not HistoryStore(self.metadata.database).set_retention(tenant_id=record.id, retention_s=retention_s):
+            raise TenantNotFound(tenant)  # deleted meanwhile
+        return {
+            "id": record.id,
+            "name": record.name,
+            "implicit_retention_s": retention_s,
+            "default_implicit_retention_s": self.settings.implicit_retention_s,
         }
 
     def create_tenant(self, name: str) -> Json:
@@ -170,17 +194,23 @@ class AdminOps:
         detail = manager.inspect_session(record.id, session_id)
         messages = self._messages(record.id, session_id)
         info = detail.info
+        expires = expires_at(info, record.implicit_retention_s, self.settings.implicit_retention_s)
         return {
             "session": {
                 "id": info.id,
                 "tenant_id": info.tenant_id,
                 "tenant": record.name,
                 "title": info.title,
+                "name": info.name,
+                "origin": info.origin,
+                "parent_id": info.parent_id,
+                "fork_turns": info.fork_turns,
                 "tier": info.tier,
                 "token_count": info.token_count,
                 "message_count": info.message_count,
                 "created_at": info.created_at.isoformat(),
                 "last_active_at": info.last_active_at.isoformat(),
+                "expires_at": None if expires is None else expires.isoformat(),
             },
             "system_prompt": info.system_prompt,
             "transcript": _summary(messages),
@@ -233,10 +263,18 @@ class AdminOps:
         """Tenant and session totals plus, over a live manager, `SessionManager.stats()` (`live`:
         true). Offline (`open_home`), the tiers as stored (every cache on disk) and no turn counters:
         they live in the server process (`live`: false, `note` says so). Offline loads no model."""
-        totals: Json = {"tenants": len(self.metadata.list_tenants()), "sessions": len(self.metadata.list_sessions())}
+        tenants = self.metadata.list_tenants()
+        totals: Json = {"tenants": len(tenants), "sessions": len(self.metadata.list_sessions())}
         if self._owns_manager:
             return {**totals, **self._stored_stats(), "live": False, "note": OFFLINE_STATS_NOTE}
-        return {**totals, **self.manager.stats(), "live": True}
+        live = self.manager.stats()
+        names = {t.id: t.name for t in tenants}
+        # Operators read tenants by name; a tenant deleted since its turns ran has none (`null`).
+        live["prompt_tokens_by_tenant"] = {
+            tenant_id: {"tenant": names.get(tenant_id), **figures}
+            for tenant_id, figures in live["prompt_tokens_by_tenant"].items()
+        }
+        return {**totals, **live, "live": True}
 
     def _stored_stats(self) -> Json:
         """Tier usage from the database alone: no process holds a cache on the device or in host
@@ -297,22 +335,60 @@ class AdminOps:
         return {"master_key_id": key_id, "from_env": manager.keys.master.from_env}
 
     def gc(self, *, dry_run: bool = False) -> Json:
-        """Delete sessions idle longer than `Settings.session_retention_s` (none when unset).
+        """Delete the implicit sessions and uncontinued forks whose idle TTL ran out
+        (`expired_implicit_sessions`: the sweep `chatkv serve` runs every few minutes, see
+        `sessions.retention`), then any session idle longer than `Settings.session_retention_s`
+        (`expired_sessions`; none when unset).
 
         Disk orphans (temp files, files without a row, rows without a file, blobs of another model)
         are removed whenever a manager starts, so a server has none to collect while it runs.
         """
         retention_s = self.settings.session_retention_s
-        report: Json = {"retention_s": retention_s, "dry_run": dry_run, "expired_sessions": []}
+        names = {t.id: t.name for t in self.metadata.list_tenants()}
+        implicit = [_expired_json(e, names.get(e.tenant_id)) for e in self._expire_implicit(dry_run)]
+        report: Json = {
+            "retention_s": retention_s,
+            "dry_run": dry_run,
+            "expired_sessions": [],
+            "implicit_retention_s": self.settings.implicit_retention_s,
+            "expired_implicit_sessions": implicit,
+        }
         if retention_s is None:
             return report
         cutoff = datetime.now(UTC) - timedelta(seconds=retention_s)
         expired = self.metadata.list_sessions(idle_before=cutoff)
         if not dry_run:
             expired = [record for record in expired if self._delete_if_idle(record, cutoff)]
-        names = {t.id: t.name for t in self.metadata.list_tenants()}
         report["expired_sessions"] = [_session_json(r, names.get(r.tenant_id), None) for r in expired]
         return report
+
+    def _expire_implicit(self, dry_run: bool) -> list[ExpiredSession]:
+        """The implicit sessions and uncontinued forks whose TTL ran out: listed, or deleted
+        (pass after pass, each at most 1,000, until one deletes nothing)."""
+        retention = self._retention()
+        if dry_run:
+            return retention.due()
+        expired: list[ExpiredSession] = []
+        while batch := retention.expire():
+            expired += batch
+        return expired
+
+    def _retention(self) -> Retention:
+        """The live manager's retention (its clock, its sweeps' rules), else one over the
+        database that loads a manager only to delete (caches in every tier go with a session)."""
+        if self._manager is not None:
+            return self._manager.retention
+
+        def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:
+            record = self.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
+            return None if record is None else record.last_active_at
+
+        return Retention(
+            history=HistoryStore(self.metadata.database),
+            delete=lambda tenant_id, session_id: self.manager.delete_session(tenant_id, session_id),
+            last_active=last_active,
+            default_retention_s=self.settings.implicit_retention_s,
+        )
 
     def _delete_if_idle(self, record: SessionRecord, cutoff: datetime) -> bool:
         """Delete a session unless a turn made it active since it was listed (or it is gone)."""
@@ -357,6 +433,7 @@ def _tenant_json(record: TenantRecord, sessions: int) -> Json:
         "sessions": sessions,
         "has_api_key": record.api_key_hash is not None,
         "master_key_id": record.master_key_id,
+        "implicit_retention_s": record.implicit_retention_s,
     }
 
 
@@ -366,6 +443,10 @@ def _session_json(record: SessionRecord, tenant_name: str | None, tier: str | No
         "tenant_id": record.tenant_id,
         "tenant": tenant_name,
         "title": record.title,
+        "name": record.name,
+        "origin": record.origin,
+        "parent_id": record.parent_id,
+        "fork_turns": record.fork_turns,
         "tier": tier,
         "token_count": record.token_count,
         "message_count": record.message_count,
@@ -373,6 +454,15 @@ def _session_json(record: SessionRecord, tenant_name: str | None, tier: str | No
         "model_fingerprint": record.model_fingerprint,
         "created_at": record.created_at.isoformat(),
         "last_active_at": record.last_active_at.isoformat(),
+    }
+
+
+def _expired_json(expired: ExpiredSession, tenant_name: str | None) -> Json:
+    return {
+        "id": expired.session_id,
+        "tenant_id": expired.tenant_id,
+        "tenant": tenant_name,
+        "last_active_at": expired.last_active_at.isoformat(),
     }
 
 

@@ -15,7 +15,8 @@ another (`SessionManager` is the thin front over them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -32,7 +33,7 @@ from cache.tiers import CacheKey, Tier
 from cache.window_policy import WindowPolicy
 from sessions.catalogue import SessionCatalogue
 from sessions.engine import Engine
-from sessions.errors import ModelUnavailable
+from sessions.errors import ModelUnavailable, SessionBusy
 from sessions.forks import Forks
 from sessions.history_lookup import HistoryLookup
 from sessions.idempotency import IdempotentRequests
@@ -286,8 +287,21 @@ def _history_parts(
             delete=catalogue.delete,
             last_active=last_active,
             default_retention_s=settings.implicit_retention_s,
+            hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
         ),
     }
+
+
+@contextmanager
+def _idle(tiers: TierManager, key: CacheKey) -> Iterator[None]:
+    """The session's tier lease, so no turn of this process runs on it meanwhile (a turn on
+    another replica meets its commit fence). Raises `SessionBusy` while a turn is in flight."""
+    with ExitStack() as held:
+        try:
+            held.enter_context(tiers.lease(key))
+        except LeaseHeld:  # raised on entering, never by the body
+            raise SessionBusy(f"session {key.name} has a turn in flight") from None
+        yield
 
 
 def close_parts(parts: ManagerParts, lease_wait_s: float) -> None:

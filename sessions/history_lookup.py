@@ -136,7 +136,8 @@ class HistoryLookup:
         whole = [m for m in matches if m.turns == len(history)]
         if whole and self._forks is not None:
             parent = min(whole, key=lambda match: self._cost(tenant_id, match))
-            made = self._forks.fork(tenant_id, parent.session_id, len(history))
+            # Made for a stateless request: it expires like an implicit session when idle.
+            made = self._forks.fork(tenant_id, parent.session_id, len(history), origin="implicit")
             turn.session_id, turn.action = made.session_id, "fork"
             turn.parent_id, turn.fork_source = SessionId(parent.session_id), made.source
         else:

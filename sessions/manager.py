@@ -42,9 +42,9 @@ from sessions.errors import (
 from sessions.history_lookup import HistoryTurn
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
-from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper
+from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
 from sessions.sampling import SamplingParams
-from sessions.settings import MAX_DURATION_S, Settings
+from sessions.settings import Settings
 from sessions.turn.stop_strings import StopStrings
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.home_lock import HomeLock, HomeLockedError
@@ -101,6 +101,7 @@ class SessionManager:
         self.template = parts.template
         self.runner = parts.runner
         self.registry = parts.registry
+        self.retention = parts.retention
         self.sealer = parts.sealer
         self.disk_store = parts.disk_store
         self.shared_store = parts.shared_store
@@ -429,7 +430,8 @@ class SessionManager:
         return len(self._parts.retention.expire())
 
     def start_retention_sweeps(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
-        """Expire sessions every `interval_s` in a background thread until `close()`."""
+        """Expire sessions now and every `interval_s` in a background thread until `close()`
+        (`chatkv serve` does). A second call changes nothing."""
         if self._sweeper is None:
             self._sweeper = RetentionSweeper(self._parts.retention, interval_s)
 
@@ -440,12 +442,7 @@ class SessionManager:
         Raises:
             InvalidInput: for a TTL that is not in (0, 100 years].
         """
-        if retention_s is not None and (
-            isinstance(retention_s, bool)
-            or not isinstance(retention_s, int | float)
-            or not 0 < retention_s <= MAX_DURATION_S
-        ):
-            raise InvalidInput(f"a retention must be in (0, 100 years] seconds, got {retention_s!r}")
+        retention_s = check_retention_s(retention_s)
         tenant_id = self._parts.registry.tenant_id(tenant)
         if not self._parts.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
             raise TenantNotFound(str(tenant_id))
@@ -456,7 +453,9 @@ class SessionManager:
         self._parts.replicas.set_url(url)
 
     def stats(self) -> dict[str, Any]:
-        """Sessions and bytes per tier, budgets, cache hit rate, prefill tokens saved, evictions."""
+        """Sessions and bytes per tier, budgets, cache hit rate, prefill tokens saved, evictions;
+        `prompt_tokens_by_tenant`: each tenant's prompt tokens served from cache and prefilled
+        since start (by tenant id); `forks`: forks by the tier their cache came from."""
         usage = self._parts.tiers.usage()
         m = self._parts.metrics
 
@@ -486,7 +485,7 @@ class SessionManager:
             "prefill_tokens_saved": value(m.prefill_tokens_saved),
             "evictions": evictions,
             "integrity_failures": sum(value(m.integrity_failures, t.value) for t in LOCAL_TIERS),
-            "tenants": {
+            "prompt_tokens_by_tenant": {
                 tenant_id: {
                     "cached_tokens": cached,
                     "prefilled_tokens": prefilled,

@@ -35,6 +35,8 @@ class TenantRecord:
     master_key_id: str | None
     api_key_salt: bytes | None
     api_key_hash: bytes | None
+    implicit_retention_s: float | None = None
+    """The tenant's own idle TTL of implicit sessions and uncontinued forks (`None`: the server's)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def _tenant(row: TenantRow) -> TenantRecord:
         master_key_id=row.master_key_id,
         api_key_salt=row.api_key_salt,
         api_key_hash=row.api_key_hash,
+        implicit_retention_s=row.implicit_retention_s,
     )
 
 

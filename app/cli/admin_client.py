@@ -86,6 +86,9 @@ class AdminClient:
     def delete_tenant(self, tenant: str) -> Json:
         return self._call("DELETE", f"/tenants/{_segment(tenant)}")
 
+    def set_tenant_retention(self, tenant: str, retention_s: float | None) -> Json:
+        return self._call("PUT", f"/tenants/{_segment(tenant)}/retention", json={"retention_s": retention_s})
+
     # -- sessions ------------------------------------------------------------------------------
 
     def list_sessions(

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 TIERS = ("device", "host", "disk")
 EVICT_TARGETS = ("host", "disk", "drop")
+ORIGINS = {
+    "explicit": "explicit (opened by id)",
+    "named": "named (its client chose the id)",
+    "implicit": "implicit (made for a posted history)",
+}
 
 sessions_app = typer.Typer(
     cls=CommandGroup, no_args_is_help=True, help="List, inspect, evict, restore, delete and export sessions."
@@ -61,11 +66,13 @@ def sessions_list(
         sessions,
         as_json,
         lambda ss: print_table(
-            ("session", "tenant", "tier", "tokens", "messages", "last active", "title"),
+            ("session", "tenant", "name", "origin", "tier", "tokens", "messages", "last active", "title"),
             [
                 (
                     s["id"],
                     s["tenant"],
+                    s["name"],
+                    s["origin"],
                     s["tier"],
                     s["token_count"],
                     s["message_count"],
@@ -85,6 +92,14 @@ def _render_inspect(detail: Json) -> None:
         [
             ("session", f"{s['id']} (tenant {s['tenant']})"),
             ("title", s["title"]),
+            ("name", s["name"]),
+            ("origin", _origin_text(s)),
+            (
+                "expires",
+                "no idle TTL (explicit, named or a continued fork)"
+                if s["expires_at"] is None
+                else f"{when(s['expires_at'])} if idle",
+            ),
             ("tier", s["tier"] or "none (the next turn rebuilds the cache)"),
             ("turns", f"{t['turns']} ({count(t['messages'], 'message')})"),
             # The rendered conversation (chat template included) up to the last reply token, not
@@ -113,6 +128,14 @@ def _render_inspect(detail: Json) -> None:
         for layer in detail["layers"]
     ]
     print_table(("layer", "turn", "tokens", "evicted", "positions", "precision", "tier", "bytes"), rows, title="layers")
+
+
+def _origin_text(session: Json) -> str:
+    """`fork of s_... after its first 2 turns`, `implicit (made for a posted history)`, ..."""
+    origin: str = session["origin"]
+    if origin == "fork":
+        return f"fork of {session['parent_id']} after its first {count(session['fork_turns'] or 0, 'turn')}"
+    return ORIGINS.get(origin, origin)
 
 
 def _replica_pairs(detail: Json) -> list[tuple[str, object]]:

@@ -9,6 +9,7 @@ for a missing one; 503 with `Retry-After` while the database cannot be reached).
     GET    /admin/tenants                         POST /admin/tenants {"name": ...}
     GET    /admin/tenants/{tenant}                DELETE /admin/tenants/{tenant}
     POST   /admin/tenants/{tenant}/api-key        (rotate; the new key is in the answer, once)
+    PUT    /admin/tenants/{tenant}/retention {"retention_s": seconds or null (the server's)}
     GET    /admin/sessions?tenant=&tier=&idle_for_s=
     GET    /admin/sessions/{id}?tenant=           (inspect)      DELETE /admin/sessions/{id}?tenant=
     GET    /admin/sessions/{id}/export?tenant=    POST /admin/sessions/{id}/evict?tenant=&to=host|disk|drop
@@ -27,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security.utils import get_authorization_scheme_param
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from app.http.api_errors import DATABASE_ERRORS, DATABASE_RETRY_AFTER_S, database_outage
@@ -98,6 +99,12 @@ class TenantCreate(BaseModel):
     name: str
 
 
+class TenantRetention(BaseModel):
+    retention_s: float | None = Field(strict=True)
+    """The tenant's idle TTL of implicit sessions and uncontinued forks in seconds; `null`: the
+    server's (`CHATKV_IMPLICIT_RETENTION_S`). Required, so a forgotten field never clears it."""
+
+
 class MasterKeyRotation(BaseModel):
     new_key: str | None = None
     """Base64 of 32 bytes; generated when omitted (required when the key comes from CHATKV_MASTER_KEY)."""
@@ -130,6 +137,10 @@ def admin_router(manager: SessionManager, token: str) -> APIRouter:
     @router.post("/tenants/{tenant}/api-key")
     def rotate_api_key(tenant: str) -> Json:
         return ops.rotate_api_key(tenant)
+
+    @router.put("/tenants/{tenant}/retention")
+    def set_tenant_retention(tenant: str, body: TenantRetention) -> Json:
+        return ops.set_tenant_retention(tenant, body.retention_s)
 
     @router.get("/sessions")
     def list_sessions(

@@ -144,21 +144,21 @@ class TurnParams:
     def __post_init__(self) -> None:
         check_turn_parameters(self.max_new_tokens, self.temperature, self.top_p, self.seed, self.stop)
 
+    def keywords(self) -> dict[str, Any]:
+        """These parameters as the keywords of `SessionManager.stream_chat` and `continue_history`."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
     def stream(
         self, manager: SessionManager, tenant: Tenant, session_id: str, message: str, **extra: Any
     ) -> TurnStream:
         """`SessionManager.stream_chat` with these parameters (`extra`: its other keywords)."""
-        return manager.stream_chat(
-            tenant,
-            session_id,
-            message,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop=self.stop,
-            **extra,
-        )
+        return manager.stream_chat(tenant, session_id, message, **self.keywords(), **extra)
 
 
 def check_message(text: object, what: str = "message") -> str:
@@ -260,18 +260,7 @@ def continue_history(
     Raises:
         ChatKVError: the turn was refused (nothing stored).
     """
-    turn = manager.continue_history(
-        tenant,
-        system_prompt,
-        history,
-        message,
-        max_new_tokens=params.max_new_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        seed=params.seed,
-        stop=params.stop,
-        cancel=cancel,
-    )
+    turn = manager.continue_history(tenant, system_prompt, history, message, **params.keywords(), cancel=cancel)
     first = turn.start()
     if turn.session_id is None:
         raise RuntimeError("bug: a started history turn has no session")

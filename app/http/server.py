@@ -134,7 +134,8 @@ def serve(
     sockets: list[socket.socket] | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM, both a normal end: exit code 0), holding the home
-    lock; at the end waits for chat turns in flight, then closes `manager`, which persists its
+    lock and expiring idle implicit sessions (`SessionManager.start_retention_sweeps`); at the end
+    waits for chat turns in flight, then closes `manager`, which stops the sweeps and persists its
     caches so the next start resumes warm.
 
     Args:
@@ -163,6 +164,8 @@ def serve(
             listening_url = advertised_url(host, port)
             manager.set_replica_url(listening_url)
             app = build_app(manager, local=local, token=token)
+            # Implicit sessions and uncontinued forks expire here; `manager.close()` stops the sweeps.
+            manager.start_retention_sweeps()
             log.info("chatkv serving %s on %s (admin token %s)", manager.model_name, url, token_source)
             if manager.replica_id is not None:
                 advertised = manager.settings.replica_url or listening_url

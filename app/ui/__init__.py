@@ -14,6 +14,12 @@ one way to cancel a reply: the worker closes its `stream_chat` stream, which can
 engine's next step and stores nothing, so the partial reply is discarded (the note under the chat
 says so) and the session takes the next message at once.
 
+Regenerate (the retry button on the last reply) and edit (the pencil on a user message; replies
+are not editable) are forks (`app.ui.forks`): a new session holding the turns before the one redone,
+warm from the original's cache, becomes the open session and runs the turn; the original stays as
+it was, in the picker (`↳ fork of “...” at turn 3`). A regenerated or edited turn that fails or is
+stopped deletes its fork and opens the original again.
+
 The open session is remembered in the browser (`gr.BrowserState`, the browser's local storage), so
 a page reload opens it again once the same tenant is signed in.
 
@@ -21,8 +27,9 @@ The event handlers are methods of `ChatUI` and return a `View` (one field per ou
 tests call them directly without a browser.
 
 Where things live: this module builds the page (`build_ui`) and holds what the server mounts it
-with; the handlers are `app.ui.handlers.ChatUI`, a turn's worker thread is `app.ui.turns`, the
-picker's labels `app.ui.sessions`, the view values `app.ui.view` and their HTML `app.ui.render`.
+with; the handlers are `app.ui.handlers.ChatUI`, a turn's worker thread is `app.ui.turns`, where
+a fork starts `app.ui.forks`, the picker's labels `app.ui.sessions`, the view values
+`app.ui.view` and their HTML `app.ui.render`.
 """
 
 from __future__ import annotations
@@ -88,11 +95,12 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
     `tenant-line`, `session-picker`, `refresh-sessions`, `new-title`, `new-system-prompt`,
     `new-session`, `max-new-tokens`, `temperature`, `sign-out`, `session-info`, `chat`,
     `reply-note` (a note about the last reply: `[data-note=stopped]` after Stop, `[data-note=length]`
-    when it reached Max new tokens), `message`, `send`, `stop` (shown while a reply streams),
-    `chat-error`, `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`,
-    `prefill_tokens`, `reused_tokens`, `restored_from` (its `data-value` is the `TurnStats` value:
-    new, device, host, disk or rebuilt), `restore_ms` (only for host and disk),
-    `decode_tokens_per_s`, `context_tokens`) and `stats-table`.
+    when it reached Max new tokens, `[data-note=same]` when a regenerated reply is the one it
+    replaced), `message`, `send`, `stop` (shown while a reply streams), `chat-error`,
+    `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`, `prefill_tokens`,
+    `reused_tokens`, `restored_from` (its `data-value` is the `TurnStats` value: new, device,
+    host, disk or rebuilt), `restore_ms` (only for host and disk), `decode_tokens_per_s`,
+    `context_tokens`) and `stats-table`.
     """
     # Over 60 lines: Gradio declares a page as one block of components and their events; split,
     # the pieces would only pass the components to each other.
@@ -140,10 +148,13 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
                     elem_id="chat",
                     feedback_options=None,
                     buttons=["copy", "copy_all"],
+                    editable="user",
                     placeholder=(
                         "Pick a session or just type: a new session starts with your first message. "
                         "The clear button starts a new conversation; it deletes nothing. "
-                        "Stop cancels a reply and discards it."
+                        "Stop cancels a reply and discards it. Retry on the last reply regenerates it "
+                        "and the pencil on your message edits it: each makes a fork, and the original "
+                        "stays in the Session list."
                     ),
                 )
                 reply_note = gr.HTML(elem_id="reply-note")
@@ -181,16 +192,18 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
         session_picker.input(ui.select_session, inputs=[session_picker, state], **quick)
         chatbot.clear(ui.leave_session, inputs=[state], **quick)
         new.click(ui.new_session, inputs=[title, system_prompt, state], **quick)
-        gr.on(
-            [send.click, message.submit],
-            ui.send,
-            inputs=[message, max_new_tokens, temperature, state],
-            outputs=outputs,
-            api_visibility="private",
-            show_progress="minimal",
-            concurrency_limit=CHAT_CONCURRENCY,
-            concurrency_id="chat",
-        )
+        # The turns: a send, and the forks (regenerate: the retry button on the last reply; edit:
+        # the pencil on a user message), all queued together.
+        turns: dict[str, Any] = {
+            "outputs": outputs,
+            "api_visibility": "private",
+            "show_progress": "minimal",
+            "concurrency_limit": CHAT_CONCURRENCY,
+            "concurrency_id": "chat",
+        }
+        gr.on([send.click, message.submit], ui.send, inputs=[message, max_new_tokens, temperature, state], **turns)
+        chatbot.retry(ui.regenerate, inputs=[max_new_tokens, temperature, state], **turns)
+        chatbot.edit(ui.edit, inputs=[max_new_tokens, temperature, state], **turns)
         # Not queued behind the chats; its only output is the button (the state is `send`'s).
         stop.click(ui.stop, inputs=[state], outputs=[stop], api_visibility="private", show_progress="hidden")
     blocks.queue(default_concurrency_limit=8)

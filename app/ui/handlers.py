@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import html
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
+from app.ui.forks import (
+    FORK_STOPPED_NOTE,
+    NO_SUCH_MESSAGE,
+    SAME_REPLY_NOTE,
+    ForkPoint,
+    edit_point,
+    regenerate_point,
+)
 from app.ui.render import (
     chat_messages,
     error_html,
@@ -253,7 +261,6 @@ class ChatUI:
             max_new_tokens: most tokens of the reply (a slider's float).
             temperature: 0 for greedy decoding.
         """
-        # Over 60 lines: a Gradio generator handler yields each state of the page in order.
         text = message or ""
         tenant = self._tenant(state)
         if isinstance(tenant, View):
@@ -289,47 +296,53 @@ class ChatUI:
             )
         )
         before = state
-        state = replace(state, session_id=session_id)
-        shown = (*state.shown, ("user", text))
-        yield make_view(
-            state,
-            chatbot=chat_messages(shown),
+        yield from self._stream(
+            turn,
+            tenant,
+            replace(state, session_id=session_id),
+            STOPPED_NOTE,
+            lambda **notes: self._undone(before, tenant, text, turn.session_deleted, **notes),
             message=input_update(False, value=""),
-            send_button=input_update(False),
             session_picker=picker,
-            error_line="",
-            stop_button=stop_button_update(True),
-            reply_note="",
             remembered=remembered_value(tenant, session_id) if created else gr.update(),
         )
-        pieces: list[str] = []
-        reply: Reply | None = None
-        failure: Exception | None = None
-        done = False
-        while not done:
-            streamed = len(pieces)
-            for item in turn.next_items():
-                if item is Turn.END:
-                    done = True
-                elif isinstance(item, Reply):
-                    reply = item
-                elif isinstance(item, Exception):
-                    failure = item
-                elif isinstance(item, str):
-                    pieces.append(item)
-            if not done and len(pieces) > streamed:
-                yield make_view(state, chatbot=chat_messages((*shown, ("assistant", "".join(pieces)))))
+
+    def _stream(
+        self,
+        turn: Turn,
+        tenant: Tenant,
+        state: ViewState,
+        stopped_note: str,
+        undo: Callable[..., View],
+        **opening: Any,
+    ) -> Generator[View, None, None]:
+        """The views of a started `turn` on `state`'s session: the user's message with the input
+        disabled and Stop shown (`opening` adds to that view), the reply as it grows, then the
+        stored turn with its stats, or `undo(error_line=..., reply_note=...)`: the tab as it was
+        before the turn, for a turn that failed or was stopped (`stopped_note`)."""
+        shown = (*state.shown, ("user", turn.text))
+        streaming = {
+            "chatbot": chat_messages(shown),
+            "message": input_update(False),
+            "send_button": input_update(False),
+            "error_line": "",
+            "stop_button": stop_button_update(True),
+            "reply_note": "",
+        }
+        yield make_view(state, **(streaming | opening))
+        for partial in turn.partial_replies():
+            yield make_view(state, chatbot=chat_messages((*shown, ("assistant", partial))))
         if turn.stopped:
-            note = note_html(STOPPED_NOTE, kind="stopped")
-            yield self._undone(before, tenant, text, turn.session_deleted, error_line="", reply_note=note)
-        elif reply is None:
-            yield self._failed_turn(before, tenant, text, failure, turn.session_deleted)
+            yield undo(error_line="", reply_note=note_html(stopped_note, kind="stopped"))
+        elif turn.reply is None:
+            yield undo(error_line=error_html(_failure_message(turn.failure)))
         else:
-            yield self._after_turn(state, tenant, session_id, text, reply)
+            yield self._after_turn(state, tenant, turn.session_id, turn.text, turn.reply)
 
     def stop(self, state: ViewState) -> dict[str, Any]:
         """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
-        then ends with `STOPPED_NOTE` once the session is free; nothing of the turn is stored.
+        then ends with `STOPPED_NOTE` once the session is free (a regenerate or an edit with
+        `FORK_STOPPED_NOTE`, its fork deleted); nothing of the turn is stored.
         Returns the Stop button's update (disabled until `send` hides it). Its only output: the
         tab's state is `send`'s to change."""
         tenant = self._tenant(state)
@@ -345,14 +358,125 @@ class ChatUI:
         the manager."""
         return self._turns.wait(timeout_s)
 
-    def _failed_turn(
-        self, state: ViewState, tenant: Tenant, text: str, failure: Exception | None, session_deleted: bool
-    ) -> View:
-        if isinstance(failure, ChatKVError):
-            message = str(failure)
-        else:  # a bug, logged by the worker with its traceback
-            message = "the turn failed (internal error, see the server log); nothing was stored"
-        return self._undone(state, tenant, text, session_deleted, error_line=error_html(message))
+    # -- forks: regenerate and edit (`app.ui.forks`) ---------------------------------------------
+
+    def regenerate(self, max_new_tokens: float, temperature: float, state: ViewState) -> Generator[View, None, None]:
+        """The chat's retry button on the last reply: a fork of the open session keeping every turn
+        but the last, where the last user message runs again, streamed like a send. The fork
+        becomes the open session; the original stays as it was, in the picker. A regenerated
+        reply equal to the one it replaces gets `SAME_REPLY_NOTE`. Refusals are one line; a
+        failed or stopped regeneration deletes the fork and opens the original again."""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            yield tenant
+            return
+        point = regenerate_point(state.shown)
+        if isinstance(point, str):
+            yield self._refused(state, point)
+            return
+        replaced = state.shown[-1][1]
+        for view in self._fork_turn(tenant, state, point, max_new_tokens, temperature):
+            # The stored turn's view is the one on the fork holding as many messages as the original.
+            done = view.state.session_id != state.session_id and len(view.state.shown) == len(state.shown)
+            if done and view.state.shown[-1] == ("assistant", replaced):
+                view = view._replace(reply_note=view.reply_note + note_html(SAME_REPLY_NOTE, kind="same"))
+            yield view
+
+    def edit(
+        self, event: gr.EditData, max_new_tokens: float, temperature: float, state: ViewState
+    ) -> Generator[View, None, None]:
+        """The chat's edit of a message (Gradio passes `event`: its index on screen, its new
+        text): `edit_message`."""
+        index = event.index if isinstance(event.index, int) else -1
+        text = event.value if isinstance(event.value, str) else ""
+        yield from self.edit_message(index, text, max_new_tokens, temperature, state)
+
+    def edit_message(
+        self, index: int, text: str, max_new_tokens: float, temperature: float, state: ViewState
+    ) -> Generator[View, None, None]:
+        """Edit the user message at `index` of the messages on screen to `text`: a fork of the open
+        session keeping the turns before it, where `text` runs as that turn's message, streamed
+        like a send. The fork becomes the open session; the original stays, in the picker. Refused
+        with one line and nothing stored: an empty text, a reply (the page offers only user
+        messages), a turn in flight on the session."""
+        tenant = self._tenant(state)
+        if isinstance(tenant, View):
+            yield tenant
+            return
+        point = edit_point(state.shown, index, text)
+        if isinstance(point, str):
+            yield self._refused(state, point)
+            return
+        yield from self._fork_turn(tenant, state, point, max_new_tokens, temperature)
+
+    def _fork_turn(
+        self, tenant: Tenant, state: ViewState, point: ForkPoint, max_new_tokens: float, temperature: float
+    ) -> Generator[View, None, None]:
+        """Fork the open session at `point` and stream its turn there (see `regenerate`)."""
+        parent = state.session_id
+        if parent is None:  # nothing on screen: the fork points above refuse first
+            yield self._refused(state, NO_SUCH_MESSAGE)
+            return
+        if self._turns.find(str(tenant.id), parent) is not None:
+            # The streaming turn redraws the chat: the edit shown by the browser goes with it.
+            yield make_view(state, error_line=error_html(f"session {parent} has a turn in flight; wait for its reply"))
+            return
+        try:
+            max_tokens, temperature = slider_values(max_new_tokens, temperature)
+            fork = self.manager.fork(tenant, parent, point.turns)
+        except ChatKVError as exc:
+            yield self._refused(state, str(exc))
+            return
+        turn = self._turns.start(
+            Turn(
+                self.manager,
+                tenant,
+                fork,
+                point.text,
+                max_new_tokens=max_tokens,
+                temperature=temperature,
+                delete_on_failure=True,
+                kept_messages=2 * point.turns,
+            )
+        )
+        yield from self._stream(
+            turn,
+            tenant,
+            replace(state, session_id=fork, shown=point.shown, stats_rows=()),
+            FORK_STOPPED_NOTE,
+            lambda **notes: self._reopened(state, tenant, **notes),
+            remembered=remembered_value(tenant, fork),
+            **self._session_shown(tenant, fork),
+        )
+
+    def _refused(self, state: ViewState, message: str) -> View:
+        """The tab as it is with one error line; the chat redrawn, undoing an edit the browser shows."""
+        return make_view(state, chatbot=chat_messages(state.shown), error_line=error_html(message))
+
+    def _reopened(self, state: ViewState, tenant: Tenant, **notes: Any) -> View:
+        """The tab as it was before a fork's turn (`state`, the original open) after the turn
+        stored nothing and its fork was deleted. `notes`: the error line and reply note."""
+        return make_view(
+            state,
+            chatbot=chat_messages(state.shown),
+            message=input_update(True),
+            send_button=input_update(True),
+            stop_button=stop_button_update(False),
+            remembered=remembered_value(tenant, state.session_id),
+            **self._session_shown(tenant, state.session_id),
+            **notes,
+        )
+
+    def _session_shown(self, tenant: Tenant, session_id: str | None) -> dict[str, Any]:
+        """The picker with `session_id` chosen and its session line; nothing when they cannot be
+        read now (the session deleted meanwhile: the turn's end says so)."""
+        if session_id is None:
+            return {}
+        try:
+            info = self.manager.session_info(tenant, session_id)
+            return {"session_picker": self._labels.picker(tenant, session_id), "session_info": session_info_html(info)}
+        except ChatKVError:
+            return {}
 
     def _undone(self, state: ViewState, tenant: Tenant, text: str, session_deleted: bool, **notes: Any) -> View:
         """The tab as it was before the send (`state`), the message back in the box to edit or send
@@ -393,6 +517,13 @@ class ChatUI:
             )
         except ChatKVError as exc:  # e.g. the session was deleted by an operator just now
             return view._replace(error_line=error_html(str(exc)))
+
+
+def _failure_message(failure: Exception | None) -> str:
+    """The one line shown for a turn that failed."""
+    if isinstance(failure, ChatKVError):
+        return str(failure)
+    return "the turn failed (internal error, see the server log); nothing was stored"  # a bug, logged by the worker
 
 
 def _no_session_shown() -> dict[str, Any]:

@@ -52,6 +52,9 @@ def session_info_html(info: SessionInfo) -> str:
     parts = [f"session <code>{html.escape(str(info.id))}</code>"]
     if info.title:
         parts.append(html.escape(info.title))
+    if info.parent_id is not None:
+        turn = (info.fork_turns or 0) + 1
+        parts.append(f"fork of <code>{html.escape(str(info.parent_id))}</code> at turn {turn}")
     parts.append(f"{info.message_count} messages, {info.token_count} tokens, cache: {info.tier or 'none'}")
     parts.append(f"last active {info.last_active_at:%Y-%m-%d %H:%M} UTC")
     if info.system_prompt:

@@ -1,8 +1,9 @@
-"""The session picker: each session's label (its title or first message, and when it was last
-active) and the picker's choices."""
+"""The session picker: each session's label (its title or first message, or for a fork the
+session it was forked from and where, and when it was last active) and the picker's choices."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 LABEL_CHARS = 40
 """Longest name of a session in the picker (its title, or its first message), in characters;
 longer ones end with an ellipsis. The label adds when it was last active (`· 5 min ago`)."""
+FORK_MARK = "↳"
+"""Starts the label of a fork (regenerate, edit): `↳ fork of “name” at turn 3 · just now`."""
 _MAX_LABELS = 10_000
 
 
@@ -31,15 +34,27 @@ class SessionLabels:
     def picker(self, tenant: Tenant, selected: str | None) -> dict[str, Any]:
         """The picker's update: every session of `tenant` as `manager.list_sessions` orders them,
         `selected` chosen (raises `ChatKVError`)."""
-        choices = [(self.label(tenant, info), str(info.id)) for info in self.manager.list_sessions(tenant)]
+        infos = self.manager.list_sessions(tenant)
+        by_id = {str(info.id): info for info in infos}
+        choices = [(self.label(tenant, info, by_id), str(info.id)) for info in infos]
         return gr.update(choices=choices, value=selected)
 
-    def label(self, tenant: Tenant, info: SessionInfo) -> str:
+    def label(self, tenant: Tenant, info: SessionInfo, sessions: Mapping[str, SessionInfo]) -> str:
         """`name · 5 min ago`: the title, else the first message, else `(empty)`, shortened to
-        `LABEL_CHARS` (with an ellipsis), and when the session was last active."""
+        `LABEL_CHARS` (with an ellipsis), and when the session was last active. A fork says whose
+        and where instead of its name: `↳ fork of “parent's name” at turn 3`, the turn it
+        diverges at, counted from 1 as the turn stats count (its parent looked up in `sessions`,
+        the tenant's sessions by id; a parent not there reads `a deleted session`)."""
+        now = datetime.now(UTC)
+        if info.parent_id is None:
+            return f"{self._name(tenant, info)} · {ago(info.last_active_at, now)}"
+        parent = sessions.get(str(info.parent_id))
+        whose = "a deleted session" if parent is None else f"“{self._name(tenant, parent)}”"
+        return f"{FORK_MARK} fork of {whose} at turn {(info.fork_turns or 0) + 1} · {ago(info.last_active_at, now)}"
+
+    def _name(self, tenant: Tenant, info: SessionInfo) -> str:
         first = self._first_message(tenant, info) if info.message_count and not info.title else None
-        name = _shorten(info.title or first or "(empty)", LABEL_CHARS)
-        return f"{name} · {ago(info.last_active_at, datetime.now(UTC))}"
+        return _shorten(info.title or first or "(empty)", LABEL_CHARS)
 
     def _first_message(self, tenant: Tenant, info: SessionInfo) -> str | None:
         key = (str(tenant.id), str(info.id))

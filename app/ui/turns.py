@@ -10,6 +10,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from sessions import ChatKVError, InvalidInput, Reply, Tenant
@@ -26,8 +27,12 @@ class Turn:
     turn is stored when it completes even if its tab went away. `stop()` (the Stop button) is what
     ends it early: then `stopped` is set and no `Reply` comes.
 
-    A first turn of a session started for it (`delete_on_failure`) that fails or is stopped deletes
-    that session again, so failed sends do not leave empty sessions behind.
+    A turn on a session made for it (`delete_on_failure`: a new session, or a fork holding
+    `kept_messages` copied messages) that fails or is stopped deletes that session again, so failed
+    sends, regenerations and edits leave no sessions behind.
+
+    The reader takes the reply as it grows from `partial_replies()`; once that ends, `reply` is
+    the stored turn's `Reply`, or `failure` the exception the turn failed with, or `stopped` is set.
     """
 
     END = object()
@@ -42,6 +47,7 @@ class Turn:
         max_new_tokens: int,
         temperature: float,
         delete_on_failure: bool,
+        kept_messages: int = 0,
     ) -> None:
         self.manager = manager
         self.tenant = tenant
@@ -50,6 +56,10 @@ class Turn:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.delete_on_failure = delete_on_failure
+        self.kept_messages = kept_messages
+        """Messages the session held before the turn: it is deleted only while it holds no more."""
+        self.reply: Reply | None = None
+        self.failure: Exception | None = None
         self.items: queue.Queue[object] = queue.Queue()
         self.session_deleted = False
         self.stopped = False
@@ -80,21 +90,21 @@ class Turn:
                         break
                     self.items.put(item)
             if self.stopped and self.delete_on_failure:
-                self._delete_empty_session()
+                self._delete_made_session()
         # A thread boundary: whatever the turn raises must reach the tab's generator, which is
         # waiting on this queue (a ChatKVError is shown to the user, anything else is logged too).
         except Exception as exc:
             if not isinstance(exc, ChatKVError):
                 log.exception("turn on session %s failed", self.session_id)
             if self.delete_on_failure:
-                self._delete_empty_session()
+                self._delete_made_session()
             self.items.put(exc)
         finally:
             self.items.put(Turn.END)
 
-    def _delete_empty_session(self) -> None:
+    def _delete_made_session(self) -> None:
         with contextlib.suppress(ChatKVError):
-            if not self.manager.history(self.tenant, self.session_id):
+            if len(self.manager.history(self.tenant, self.session_id)) <= self.kept_messages:
                 self.manager.delete_session(self.tenant, self.session_id)
                 self.session_deleted = True
 
@@ -106,6 +116,27 @@ class Turn:
             while items[-1] is not Turn.END:
                 items.append(self.items.get_nowait())
         return items
+
+    def partial_replies(self) -> Iterator[str]:
+        """The reply so far, after each batch of new pieces, until the turn ends (then `reply`,
+        `failure` or `stopped` says how). One reader only."""
+        pieces: list[str] = []
+        while True:
+            streamed = len(pieces)
+            done = False
+            for item in self.next_items():
+                if item is Turn.END:
+                    done = True
+                elif isinstance(item, Reply):
+                    self.reply = item
+                elif isinstance(item, Exception):
+                    self.failure = item
+                elif isinstance(item, str):
+                    pieces.append(item)
+            if done:
+                return
+            if len(pieces) > streamed:
+                yield "".join(pieces)
 
 
 class TurnThreads:

@@ -25,6 +25,7 @@ ROUTES = [
     ("GET", "/admin/tenants/acme"),
     ("DELETE", "/admin/tenants/acme"),
     ("POST", "/admin/tenants/acme/api-key"),
+    ("PUT", "/admin/tenants/acme/retention"),
     ("GET", "/admin/sessions"),
     ("GET", "/admin/sessions/s_x?tenant=acme"),
     ("DELETE", "/admin/sessions/s_x?tenant=acme"),
@@ -199,7 +200,19 @@ def test_stats_gc_and_master_key_rotation(client: TestClient, tiny_manager: Sess
     assert stats["tenants"] == 1 and stats["sessions"] == 1
     assert stats["tiers"]["device"]["sessions"] == 1
     assert stats["prefill_tokens_saved"] > 0 and 0 < stats["cache_hit_rate_tokens"] < 1
-    assert client.post("/admin/gc").json() == {"retention_s": None, "dry_run": False, "expired_sessions": []}
+    [(tenant_id, tokens)] = stats["prompt_tokens_by_tenant"].items()
+    assert tenant_id == tiny_manager.get_tenant("acme").id and tokens["tenant"] == "acme"
+    assert (
+        tokens["cached_tokens"] == stats["prefill_tokens_saved"]
+        and tokens["prefilled_tokens"] == stats["prefill_tokens"]
+    )
+    assert client.post("/admin/gc").json() == {
+        "retention_s": None,
+        "dry_run": False,
+        "expired_sessions": [],
+        "implicit_retention_s": tiny_manager.settings.implicit_retention_s,
+        "expired_implicit_sessions": [],
+    }
 
     new_key = "bmV3LW1hc3Rlci1rZXktZm9yLXRoZS10ZXN0cy0zMiE="
     rotated = client.post("/admin/keys/rotate-master", json={"new_key": new_key}).json()
@@ -208,6 +221,40 @@ def test_stats_gc_and_master_key_rotation(client: TestClient, tiny_manager: Sess
     refused = client.post("/admin/keys/rotate-master", json={})  # a key from settings cannot be generated
     assert refused.status_code == 400 and "pass the new key explicitly" in refused.json()["error"]
     assert client.get("/admin/sessions/" + sid, params={"tenant": "acme"}).json()["layers"]  # still opens
+
+
+def test_a_tenants_retention_is_set_and_cleared(client: TestClient, tiny_manager: SessionManager) -> None:
+    acme = tiny_manager.create_tenant("acme")
+    default = tiny_manager.settings.implicit_retention_s
+    assert client.get("/admin/tenants/acme").json()["implicit_retention_s"] is None
+    set_ = client.put("/admin/tenants/acme/retention", json={"retention_s": 7 * 86400})
+    assert set_.json() == {
+        "id": acme.id,
+        "name": "acme",
+        "implicit_retention_s": 7 * 86400.0,
+        "default_implicit_retention_s": default,
+    }
+    shown = client.get(f"/admin/tenants/{acme.id}").json()
+    assert (shown["implicit_retention_s"], shown["default_implicit_retention_s"]) == (7 * 86400.0, default)
+    assert client.get("/admin/tenants").json()[0]["implicit_retention_s"] == 7 * 86400.0
+    cleared = client.put("/admin/tenants/acme/retention", json={"retention_s": None})
+    assert cleared.json()["implicit_retention_s"] is None
+    assert client.get("/admin/tenants/acme").json()["implicit_retention_s"] is None
+
+    refused = [
+        ({"retention_s": 0}, 400, "a retention must be in (0, 100 years] seconds, got 0"),
+        ({"retention_s": -5}, 400, "a retention must be in (0, 100 years]"),
+        ({"retention_s": 1e300}, 400, "a retention must be in (0, 100 years]"),
+        ({"retention_s": "7d"}, 422, "retention_s: Input should be a valid number"),
+        ({"retention_s": True}, 422, "retention_s: Input should be a valid number"),
+        ({}, 422, "retention_s: Field required"),
+    ]
+    for body, status, message in refused:
+        response = client.put("/admin/tenants/acme/retention", json=body)
+        assert (response.status_code, response.json()["error"][: len(message)]) == (status, message), body
+    missing = client.put("/admin/tenants/nobody/retention", json={"retention_s": 60})
+    assert (missing.status_code, missing.json()) == (404, {"error": "tenant not found: nobody"})
+    assert client.get("/admin/tenants/acme").json()["implicit_retention_s"] is None  # nothing refused was kept
 
 
 def test_the_cli_client_gets_the_same_answers_as_local_operations(
@@ -222,6 +269,8 @@ def test_the_cli_client_gets_the_same_answers_as_local_operations(
     assert remote.inspect_session("acme", sid) == local.inspect_session("acme", sid)
     assert remote.export_session("acme", sid) == local.export_session("acme", sid)
     assert remote.evict_session("acme", sid, "host") == {"id": sid, "tier": "host"}
+    assert remote.set_tenant_retention("acme", 60) == local.set_tenant_retention("acme", 60)
+    assert remote.gc(dry_run=True) == local.gc(dry_run=True)
     with pytest.raises(AdminRequestFailed, match="session not found: s_nope") as failed:
         remote.inspect_session("acme", "s_nope")
     assert failed.value.status == 404

@@ -677,7 +677,7 @@ def test_a_stateless_regenerate_or_edit_forks_the_session_warm(server: Server) -
         fork = answer.headers["x-session-id"]
         assert fork not in holders and answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         info = server.get(f"/sessions/{fork}").json()
-        assert info["parent_id"] in holders and (info["fork_turns"], info["origin"]) == (kept // 2, "fork")
+        assert info["parent_id"] in holders and (info["fork_turns"], info["origin"]) == (kept // 2, "implicit")
         holders.add(fork)
     assert server.get(f"/sessions/{session_id}").json()["message_count"] == 6  # the parent is untouched
 

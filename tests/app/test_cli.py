@@ -578,7 +578,7 @@ def test_offline_read_only_commands_do_not_import_torch(cli_env: dict[str, str |
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from app.cli import app\n"
-        "for args in (['sessions', 'list'], ['tenants', 'list'], ['stats']):\n"
+        "for args in (['sessions', 'list'], ['tenants', 'list'], ['stats'], ['gc', '--dry-run']):\n"
         "    result = CliRunner().invoke(app, ['--home', sys.argv[1], *args])\n"
         "    assert result.exit_code == 0, (args, result.output)\n"
         "print(sorted(m for m in ('torch', 'transformers', 'gradio') if m in sys.modules))\n"

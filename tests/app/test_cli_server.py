@@ -13,15 +13,19 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import update
 
 from sessions.engine import Engine
 from sessions.manager import SessionManager
+from storage.database import open_database
+from storage.schema import SessionRow
 from tests.conftest import MASTER_KEY, MODEL_CACHE, make_settings
 
 CHATKV = Path(sys.executable).with_name("chatkv")
@@ -36,6 +40,8 @@ class Server:
     session_id: str
     empty_session_id: str
     """A session without turns, so without a cache."""
+    expired_session_id: str
+    """An implicit session idle for 31 days when the server started: its first sweep deletes it."""
     env: dict[str, str]
     """The CLI's environment: the server's home, no admin token (it is read from the home)."""
     log: Path
@@ -70,6 +76,15 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_
         session_id = manager.open_session(tenant, system_prompt="You are terse.")
         manager.chat(tenant, session_id, "Hello", max_new_tokens=6)
         empty_session_id = manager.open_session(tenant)
+        posted = manager.continue_history(tenant, "You are terse.", [], "Hello", max_new_tokens=4)
+        list(posted)
+        assert posted.session_id is not None
+        expired_session_id = posted.session_id
+    database = open_database(f"sqlite:///{home / 'chatkv.db'}")
+    with database.begin() as db:
+        month_ago = datetime.now(UTC) - timedelta(days=31)
+        db.execute(update(SessionRow).where(SessionRow.id == expired_session_id).values(last_active_at=month_ago))
+    database.dispose()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("CHATKV_")}
     env = {
         **base_env,
@@ -86,7 +101,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_
         process = subprocess.Popen([str(CHATKV), "serve", "--port", str(port)], env=env, stdout=out, stderr=out)
     try:
         _wait_until_up(url, process, log)
-        yield Server(url, home, process.pid, session_id, empty_session_id, env, log)
+        yield Server(url, home, process.pid, session_id, empty_session_id, expired_session_id, env, log)
     finally:
         process.send_signal(signal.SIGTERM)  # uvicorn shuts down; `serve` closes the manager and the lock
         try:
@@ -194,11 +209,26 @@ def test_evicting_a_hot_session_frees_the_servers_device(server: Server) -> None
     assert detail["session"]["tier"] == "disk" and [row["turn_index"] for row in detail["layers"]] == [None, 0]
 
 
+def test_the_server_expires_idle_implicit_sessions_by_itself(server: Server) -> None:
+    """The sweep runs when the server starts, then every 10 minutes."""
+    deadline = time.monotonic() + 30
+    while server.expired_session_id in {s["id"] for s in as_json(server, "sessions", "list")}:
+        assert time.monotonic() < deadline, "the server did not expire the implicit session"
+        time.sleep(0.5)
+    assert server.session_id in {s["id"] for s in as_json(server, "sessions", "list")}  # explicit: kept
+
+
 def test_admin_commands_through_the_server(server: Server) -> None:
     created = as_json(server, "tenants", "create", "globex")
     assert created["api_key"].startswith(f"ckv_{created['id']}_")
     assert {t["name"] for t in as_json(server, "tenants", "list")} >= {"acme", "globex"}
     assert as_json(server, "tenants", "show", "globex")["sessions"] == 0
+    assert (
+        ok(server, "tenants", "retention", "globex", "7d") == "globex: implicit sessions 7d idle (the tenant's own)\n"
+    )
+    assert as_json(server, "tenants", "show", "globex")["implicit_retention_s"] == 7 * 86400
+    bad = one_line_error(chatkv(server, "tenants", "retention", "globex", "0"), 2)
+    assert bad == "error: a retention must be in (0, 100 years] seconds, got 0.0"
     assert as_json(server, "tenants", "rotate-api-key", "globex")["api_key"] != created["api_key"]
 
     exported = json.loads(ok(server, "sessions", "export", server.session_id, "--tenant", "acme"))

@@ -133,3 +133,48 @@ def test_per_tenant_labels_only_when_enabled(tmp_path: Path, tiny_engine: Engine
             samples = scrape(client)
     assert value(samples, "chatkv_tenant_turns_total", tenant=acme.id) == 2
     assert value(samples, "chatkv_tenant_turns_total", tenant=globex.id) == 1
+
+
+@pytest.mark.parametrize("tenant_labels", [False, True], ids=["one-series", "per-tenant"])
+def test_prompt_tokens_from_cache_and_prefilled_and_forks_by_source(
+    tmp_path: Path, tiny_engine: Engine, tenant_labels: bool
+) -> None:
+    """`chatkv_prompt_tokens_total` splits each turn's prompt into tokens served from the cache and
+    tokens prefilled, per tenant with tenant labels (else one `tenant="*"` series: tenant ids are
+    unbounded label values); `chatkv_forks_total` counts forks by where their cache came from."""
+    settings = make_settings(tmp_path / "home", metrics_tenant_labels=tenant_labels)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        replies: dict[str, list[Reply]] = {}
+        for name, turns in (("acme", 2), ("globex", 1)):
+            tenant = manager.create_tenant(name)
+            sid = manager.open_session(tenant, system_prompt="You are terse.")
+            replies[tenant.id] = [manager.chat(tenant, sid, f"Turn {t}", max_new_tokens=4) for t in range(turns)]
+        acme = manager.get_tenant("acme").id
+        parent = manager.list_sessions(acme)[0].id
+        manager.flush()
+        manager.evict_session(acme, parent, "disk")
+        fork = manager.fork(acme, parent, 1)
+        replies[acme].append(manager.chat(acme, fork, "Elsewhere", max_new_tokens=4))
+        with TestClient(build_app(manager, local=False, token=TOKEN)) as client:
+            samples = scrape(client)
+
+    def tokens(tenant_ids: list[str], source: str) -> int:
+        field = "reused_tokens" if source == "cache" else "prefill_tokens"
+        return sum(getattr(r.stats, field) for t in tenant_ids for r in replies[t])
+
+    series = {labels: v for (name, labels), v in samples.items() if name == "chatkv_prompt_tokens_total"}
+    if tenant_labels:
+        expected = {
+            frozenset({("tenant", t), ("source", source)}): tokens([t], source)
+            for t in replies
+            for source in ("cache", "prefill")
+        }
+    else:
+        expected = {
+            frozenset({("tenant", "*"), ("source", source)}): tokens(list(replies), source)
+            for source in ("cache", "prefill")
+        }
+    assert series == expected
+    assert tokens(list(replies), "cache") > 0 and tokens(list(replies), "prefill") > 0
+    assert value(samples, "chatkv_forks_total", source="disk") == 1
+    assert value(samples, "chatkv_forks_total", source="device") == 0

@@ -7,6 +7,8 @@ import re
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import gradio as gr
+import gradio.utils
 import pytest
 from fastapi.testclient import TestClient
 
@@ -20,6 +22,14 @@ from app.ui import (
     ChatUI,
     View,
     ViewState,
+)
+from app.ui.forks import (
+    EMPTY_EDIT,
+    FORK_STOPPED_NOTE,
+    NO_SUCH_MESSAGE,
+    NOTHING_TO_REGENERATE,
+    REPLY_NOT_EDITABLE,
+    SAME_REPLY_NOTE,
 )
 from app.ui.render import error_html, note_html
 from app.ui.sessions import ago
@@ -564,3 +574,188 @@ def test_signing_in_reopens_the_remembered_session_of_that_tenant_only(tiny_mana
     assert other.state.session_id is None and other.session_picker["choices"] == []
     assert other.remembered == {"__type__": "update"}  # left for acme's next sign-in in this browser
     assert ui.sign_out(signed_in.state).remembered is None  # signing out forgets it
+
+
+# -- forks: regenerate the last reply, edit a past message -------------------------------------------
+
+
+def _regenerate(ui: ChatUI, state: ViewState, max_new_tokens: int = 6, temperature: float = 0.0) -> list[View]:
+    return list(ui.regenerate(max_new_tokens, temperature, state))
+
+
+def _edit(ui: ChatUI, state: ViewState, index: int, text: str, max_new_tokens: int = 6) -> list[View]:
+    return list(ui.edit_message(index, text, max_new_tokens, 0.0, state))
+
+
+def _labels(view: View) -> dict[str, str]:
+    return {sid: label for label, sid in view.session_picker["choices"]}
+
+
+def _transcript(manager: SessionManager, sid: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(m.role, m.text, m.token_ids) for m in manager.history(LOCAL_TENANT, sid)]
+
+
+def test_regenerate_forks_before_the_last_turn_warm_and_keeps_the_original(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    one = _send(ui, ui.on_load(ViewState()).state, "Hello there")[-1]
+    context_1 = int(_stat(one, "context_tokens"))
+    two = _send(ui, one.state, "And then?")[-1]
+    parent = two.state.session_id
+    assert parent is not None
+    before = _transcript(tiny_manager, parent)
+
+    views = _regenerate(ui, two.state)
+    opening, done = views[0], views[-1]
+    fork = done.state.session_id
+    assert fork is not None and fork != parent and opening.state.session_id == fork
+    # While it streams: the kept turn and the message run again, the input disabled, Stop shown.
+    assert opening.chatbot == two.chatbot[:3]
+    assert opening.message["interactive"] is False and opening.stop_button["visible"] is True
+    assert opening.session_picker["value"] == fork and "fork of <code>" in opening.session_info
+
+    info = tiny_manager.session_info(LOCAL_TENANT, fork)
+    assert (info.parent_id, info.fork_turns, info.message_count) == (parent, 1, 4)
+    [_, _, user_2, reply_2] = tiny_manager.history(LOCAL_TENANT, fork)
+    assert user_2.text == "And then?"
+    assert done.chatbot == [*two.chatbot[:3], {"role": "assistant", "content": reply_2.text}]
+    # The fork's turn starts from the parent's KV through turn 1: only the message is prefilled.
+    assert _stat(done, "turn") == "2"
+    assert _stat(done, "restored_from") == "device"
+    assert int(_stat(done, "reused_tokens")) == context_1
+    assert int(_stat(done, "prefill_tokens")) == len(user_2.token_ids)
+    assert [row[0] for row in done.stats_table] == [2]
+    # Greedy: the same reply, and the page says why.
+    assert reply_2.text == two.chatbot[-1]["content"]
+    assert done.reply_note.endswith(note_html(SAME_REPLY_NOTE, kind="same"))
+    assert 'data-note="length"' in done.reply_note  # the tiny model never samples a stop token
+    assert f"fork of <code>{parent}</code> at turn 2" in done.session_info
+    assert opening.remembered == {"tenant": str(done.state.tenant.id), "session": fork}  # type: ignore[union-attr]
+
+    # The original is untouched and still in the picker; the fork says whose it is.
+    assert _transcript(tiny_manager, parent) == before
+    labels = _labels(done)
+    assert set(labels) == {parent, fork} and done.session_picker["value"] == fork
+    assert labels[parent].startswith("Hello there · ")
+    assert labels[fork] == "↳ fork of “Hello there” at turn 2 · just now"
+    reopened = ui.select_session(parent, done.state)
+    assert reopened.chatbot == two.chatbot and reopened.state.session_id == parent
+
+    tiny_manager.delete_session(LOCAL_TENANT, parent)
+    assert _labels(ui.refresh_sessions(done.state))[fork] == "↳ fork of a deleted session at turn 2 · just now"
+
+
+def test_editing_a_message_forks_before_it_and_sends_the_new_text(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    contexts = []
+    for message in ("Name a colour.", "Name another one.", "And a third?"):
+        done = _send(ui, state, message)[-1]
+        contexts.append(int(_stat(done, "context_tokens")))
+        state = done.state
+    parent = state.session_id
+    assert parent is not None
+    before = _transcript(tiny_manager, parent)
+
+    # The middle message (index 2 on screen: turn 2): the fork keeps turn 1, warm.
+    middle = _edit(ui, state, 2, "Name a shape.")[-1]
+    fork_1 = middle.state.session_id
+    assert fork_1 not in (None, parent)
+    info = tiny_manager.session_info(LOCAL_TENANT, fork_1)
+    assert (info.parent_id, info.fork_turns, info.message_count) == (parent, 1, 4)
+    assert [(role, text) for role, text, _ in _transcript(tiny_manager, fork_1)][:3] == [
+        *[(role, text) for role, text, _ in before[:2]],
+        ("user", "Name a shape."),
+    ]
+    assert _transcript(tiny_manager, fork_1)[:2] == before[:2]  # the kept turn's exact ids
+    assert [m["content"] for m in middle.chatbot][:3] == ["Name a colour.", before[1][1], "Name a shape."]
+    assert _stat(middle, "turn") == "2" and _stat(middle, "restored_from") == "device"
+    assert int(_stat(middle, "reused_tokens")) == contexts[0]
+
+    # The first message (through Gradio's event data): the fork keeps no turn.
+    event = gr.EditData(None, {"index": 0, "value": "Name a fruit.", "previous_value": "Name a colour."})
+    first = list(ui.edit(event, 6, 0.0, state))[-1]
+    fork_0 = first.state.session_id
+    assert fork_0 not in (None, parent, fork_1)
+    info = tiny_manager.session_info(LOCAL_TENANT, fork_0)
+    assert (info.parent_id, info.fork_turns, info.message_count) == (parent, 0, 2)
+    assert first.chatbot[0] == {"role": "user", "content": "Name a fruit."} and len(first.chatbot) == 2
+    assert _stat(first, "turn") == "1" and _stat(first, "restored_from") == "new"
+
+    assert _transcript(tiny_manager, parent) == before
+    labels = _labels(first)
+    assert set(labels) == {parent, fork_0, fork_1}
+    assert labels[fork_1].startswith("↳ fork of “Name a colour.” at turn 2 · ")
+    assert labels[fork_0].startswith("↳ fork of “Name a colour.” at turn 1 · ")
+
+
+def test_bad_edits_and_regenerations_are_one_line_and_store_nothing(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    done = _send(ui, ui.on_load(ViewState()).state, "Hello there")[-1]
+    state, parent = done.state, str(done.state.session_id)
+    sessions = [info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)]
+    refusals = {
+        "empty": (_edit(ui, state, 0, "  \n"), EMPTY_EDIT),
+        "a reply": (_edit(ui, state, 1, "Something I would rather have said"), REPLY_NOT_EDITABLE),
+        "no such message": (_edit(ui, state, 7, "Hi"), NO_SUCH_MESSAGE),
+        "the slider": (list(ui.edit_message(0, "Hi", float("nan"), 0.0, state)), "max_new_tokens must be"),
+    }
+    for name, (views, message) in refusals.items():
+        [view] = views
+        assert view.error_line.startswith(error_html(message)[: -len("</div>")]), name
+        assert view.state == state, name
+        assert view.chatbot == done.chatbot, name  # redrawn: an edit the browser shows is undone
+    empty = ui.new_session("", "", state).state
+    [nothing] = _regenerate(ui, empty)
+    assert nothing.error_line == error_html(NOTHING_TO_REGENERATE)
+    assert sorted(info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)) == sorted([*sessions, empty.session_id])
+    tiny_manager.delete_session(LOCAL_TENANT, str(empty.session_id))
+
+    # While a reply streams on the session, neither an edit nor a regeneration starts.
+    stream = ui.send("Tell me a long story", 1500, 0.0, state)
+    streaming = next(stream)
+    in_flight = error_html(f"session {parent} has a turn in flight; wait for its reply")
+    [busy] = _edit(ui, streaming.state, 0, "Hi")
+    assert busy.error_line == in_flight
+    assert busy.chatbot == {"__type__": "update"}  # the streaming turn redraws it
+    assert _regenerate(ui, streaming.state)[-1].error_line == in_flight
+    ui.stop(streaming.state)
+    list(stream)
+    assert [info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)] == [parent]
+
+    # A fork's turn that fails deletes the fork and opens the original again.
+    failed = _edit(ui, state, 0, "Hi", max_new_tokens=100_000)
+    assert failed[0].state.session_id != parent  # it ran on a fork
+    assert "message too long" in failed[-1].error_line
+    assert failed[-1].state == state and failed[-1].chatbot == done.chatbot
+    assert failed[-1].session_picker["value"] == parent and _choice_ids(failed[-1]) == [parent]
+    assert failed[-1].message["interactive"] is True and failed[-1].stop_button["visible"] is False
+    assert [info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)] == [parent]
+    assert len(tiny_manager.history(LOCAL_TENANT, parent)) == 2
+
+
+def test_stopping_a_regeneration_discards_its_fork(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    done = _send(ui, ui.on_load(ViewState()).state, "Tell me a long story", max_new_tokens=3)[-1]
+    parent = done.state.session_id
+    stream = ui.regenerate(1500, 0.0, done.state)
+    next(stream)
+    ui.stop(next(stream).state)  # the fork is the tab's open session while it streams
+    stopped = list(stream)[-1]
+    assert stopped.reply_note == note_html(FORK_STOPPED_NOTE, kind="stopped")
+    assert stopped.state == done.state and stopped.chatbot == done.chatbot
+    assert stopped.message == {"__type__": "update", "interactive": True}  # the box was not used
+    assert stopped.remembered == {"tenant": str(done.state.tenant.id), "session": parent}  # type: ignore[union-attr]
+    assert [info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)] == [parent]
+
+
+def test_the_page_offers_retry_on_the_last_reply_and_edit_on_user_messages(tiny_manager: SessionManager) -> None:
+    from app.ui import build_ui
+
+    config = build_ui(tiny_manager, local=True).get_config_file()
+    [chat] = [c for c in config["components"] if c["props"].get("elem_id") == "chat"]
+    assert chat["props"]["editable"] == "user" and chat["props"]["_retryable"] is True
+    assert chat["props"]["_undoable"] is False
+    triggers = {tuple(target) for dependency in config["dependencies"] for target in dependency["targets"]}
+    assert {(chat["id"], "retry"), (chat["id"], "edit")} <= triggers
+    # Gradio passes the edit's data by the parameter's type hint: it must resolve at run time.
+    assert gradio.utils.get_type_hints(ChatUI.edit)["event"] is gr.EditData

@@ -1,6 +1,7 @@
 """The real page in headless Chromium against a real server process (tiny model, local mode): two
 turns, and the second one's stats on the page show the cache was reused; Stop cancels a long reply
-and the session takes the next message at once; a reload opens the same session again.
+and the session takes the next message at once; a reload opens the same session again; the retry
+button on the last reply opens a fork, the original still in the picker.
 
 Chromium is the system browser (Debian `chromium`, installed by `.ci/run`); Playwright drives it by
 path and never downloads one. Without it the test is skipped with the reason shown by `-ra`.
@@ -294,5 +295,30 @@ def test_the_page_asks_for_a_key_and_shows_only_that_tenants_sessions(
             page.locator("#session-picker input").click()
             options = [text.split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
             assert options == ["acme notes"]
+        finally:
+            browser.close()
+
+
+def test_retry_on_the_last_reply_opens_a_fork_and_keeps_the_original(chromium: Path, local_server: Server) -> None:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(local_server.url)
+            page.locator("#message textarea").wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            _set_number(page, "max-new-tokens", "6")
+            _send(page, "Hello there")
+            _stats(page, 1)
+
+            page.locator('#chat button[aria-label="Retry"]').click()
+            # Greedy decoding gives the same reply again, and the page says so once the fork's turn is stored.
+            page.locator('#reply-note [data-note="same"]').wait_for(timeout=TURN_TIMEOUT_MS)
+            fork_label = "↳ fork of “Hello there” at turn 1"
+            assert page.locator("#session-picker input").input_value().startswith(f"{fork_label} · ")
+            assert page.locator("#chat-error").inner_text().strip() == ""
+            page.locator("#session-picker input").click()
+            # An option's text is its label, after a check mark on the chosen one.
+            options = [text.splitlines()[-1].split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
+            assert sorted(options) == ["Hello there", fork_label]
         finally:
             browser.close()

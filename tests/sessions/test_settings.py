@@ -47,11 +47,13 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "max_running_requests": ("8", 8),
     "max_running_per_tenant": ("2", 2),
     "max_batch_requests": ("4", 4),
+    "fork_sessions": ("0", False),
     "reuse_kv": ("off", False),
     "restore_or_recompute": ("0", False),
     "max_concurrent_requests_per_tenant": ("5", 5),
     "admin_token": ("s3cret", "s3cret"),
     "session_retention_s": ("30d", 30 * 86400.0),
+    "implicit_retention_s": ("7d", 7 * 86400.0),
     "metrics_tenant_labels": ("on", True),
     "redis_url": ("redis://cache.internal:6379/0", "redis://cache.internal:6379/0"),
     "redis_cluster": ("yes", True),
@@ -177,6 +179,12 @@ def test_unset_or_empty_variables_leave_the_declared_defaults(monkeypatch: pytes
             "soon",
             "CHATKV_SESSION_RETENTION_S: not a duration: 'soon' (examples: 90, 30m, 12h, 7d)",
         ),
+        (
+            "CHATKV_IMPLICIT_RETENTION_S",
+            "0",
+            "CHATKV_IMPLICIT_RETENTION_S: implicit_retention_s must be in (0, 100 years], got 0.0",
+        ),
+        ("CHATKV_FORK_SESSIONS", "maybe", "CHATKV_FORK_SESSIONS: not a boolean: 'maybe'"),
     ],
 )
 def test_a_bad_value_names_its_variable(
