@@ -247,7 +247,10 @@ class RedisBlobStore(Generic[K]):
                 pipe.set(name, chunk, ex=self.ttl_s)
             pipe.set(redis_key, manifest, ex=self.ttl_s, get=True)
             replaced = cast(bytes | None, pipe.execute()[-1])
-        self._delete_keys(_chunk_keys(redis_key, replaced))
+        # The same blob may be stored twice (a disk blob published by the write-back, then by a
+        # hand-over): its own chunks, just written again, stay.
+        written = {name for name, _ in chunks}
+        self._delete_keys([k for k in _chunk_keys(redis_key, replaced) if k not in written])
         recorded = self._metadata.put_blob(
             tenant_id=key.tenant_id,
             session_id=None if key.name.startswith("base-") else key.name,
