@@ -29,7 +29,9 @@ CHUNK = 1000
 TIMEOUT_S = 0.5
 
 
-def make_store(client: redis.Redis | redis.RedisCluster, metadata: MetadataStore, prefix: str, **options: float):  # type: ignore[no-untyped-def]
+def make_store(
+    client: redis.Redis | redis.RedisCluster, metadata: MetadataStore, prefix: str, **options: float
+) -> RedisBlobStore[Key]:
     return RedisBlobStore(client, metadata, FP, Key, prefix=prefix, **options)  # type: ignore[arg-type]
 
 
