@@ -38,9 +38,10 @@ from storage.keyring import KEY_BYTES, NONCE_BYTES, AuthenticationFailed
 
 CHUNKED_MAGIC = b"CKVC1"
 CHUNK_BYTES = 2 * 1024 * 1024
-"""Plaintext bytes per chunk. 1-4 MiB values read fastest from Redis here (a 91 MB single value at
-~200 MB/s, 2 MiB chunks several times faster: benchmarks/redis_restore.py); 2 MiB also bounds
-what the reader holds in flight (`storage.redis_store.READ_WINDOW` chunks)."""
+"""Plaintext bytes per chunk. Streamed from Redis, 1, 2 and 4 MiB chunks restored 2-4x faster than
+one GET of the whole value, within noise of each other, 2 MiB best or close at every size
+(benchmarks/README.md, `redis_restore.py`); it also bounds what Redis queues for a reader
+(`storage.redis_store.READ_WINDOW` chunks)."""
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 TAG_BYTES = 16
 BLOB_ID_BYTES = 16
