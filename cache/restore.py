@@ -14,7 +14,17 @@ from dataclasses import dataclass
 from cache.ids import PrefixKey, TenantId
 from cache.prefix_pool import PrefixPool
 from cache.session_cache import BaseLayer, SessionCache
-from cache.tiers import BlobMissing, BlobRejected, BlobStore, CacheKey, CacheSealer, Tier, TierEvents
+from cache.tiers import (
+    BlobMissing,
+    BlobRejected,
+    BlobStore,
+    CacheKey,
+    CacheSealer,
+    SealedBlob,
+    SharedBlobStore,
+    Tier,
+    TierEvents,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,7 @@ class Restorer:
             the order a base layer is looked for.
         events: told of each base blob that was rejected.
         base_builder: recomputes a missing base layer by prefill.
+        shared: the shared tier's store (also in `stores`), read piece by piece.
     """
 
     def __init__(
@@ -59,8 +70,10 @@ class Restorer:
         stores: Mapping[Tier, BlobStore],
         events: TierEvents,
         base_builder: BaseBuilder,
+        shared: SharedBlobStore | None = None,
     ) -> None:
         self._pool = pool
+        self._shared = shared
         self._sealer = sealer
         self._stores = stores
         self._events = events
@@ -74,11 +87,18 @@ class Restorer:
             BlobMissing: if the store holds no blob for `key`.
             BlobRejected: if the blob does not authenticate or decode.
         """
-        cache = self._sealer.open_session(key, self._stores[tier].get(key))
+        cache = self._sealer.open_session(key, self._read(tier, key))
         if cache.base_key is None:
             return cache, 0
         base, how = self.base_layer(key.tenant_id, cache.base_key, cache.base_token_ids)
         return cache.with_base(base), base.token_count if how == "built" else 0
+
+    def _read(self, tier: Tier, key: CacheKey) -> SealedBlob:
+        """The blob of `key` in `tier`; the shared tier's piece by piece, each opened as it arrives
+        while the next is read."""
+        if tier is Tier.REDIS and self._shared is not None:
+            return self._shared.read(key)
+        return self._stores[tier].get(key)
 
     def base_layer(self, tenant_id: TenantId, key: PrefixKey, token_ids: tuple[int, ...]) -> tuple[BaseLayer, str]:
         """The base layer `key` and where it came from: `pool`, `blob` (a stored copy, decrypted)
@@ -103,7 +123,7 @@ class Restorer:
             if not store.contains(blob_key):
                 continue
             try:
-                base = self._sealer.open_base(blob_key, store.get(blob_key))
+                base = self._sealer.open_base(blob_key, self._read(tier, blob_key))
             except (BlobRejected, BlobMissing) as exc:
                 log.warning("discarding stored base layer %s: %s", key, exc)
                 self._events.rejected(tier)

@@ -128,7 +128,7 @@ class TierManager:
         self._shared = SharedTier(store=shared, sealer=sealer, pool=pool, local_disk=disk) if shared else None
         restore_from = {**self._stores, Tier.REDIS: shared} if shared else self._stores
         self._restorer = Restorer(
-            pool=pool, sealer=sealer, stores=restore_from, events=self._events, base_builder=base_builder
+            pool=pool, sealer=sealer, stores=restore_from, events=self._events, base_builder=base_builder, shared=shared
         )
         self._writer = WriteBack(
             lock=self._lock,

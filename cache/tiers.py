@@ -12,7 +12,7 @@ other exception, a `KeyError` included, propagate as the bug it is.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,6 +62,12 @@ class CacheKey:
         return None if self.is_base else SessionId(self.name)
 
 
+SealedBlob = bytes | Generator[bytes, None, None]
+"""A sealed blob as the sealer opens it: whole, or piece by piece as a store reads it (the shared
+tier: a chunked blob's header, then each sealed chunk in order), so that the sealer opens one
+piece while the store reads the next. Taking a piece may raise `BlobMissing`."""
+
+
 class BlobRejected(CacheError):
     """A stored blob failed authentication or decoding (tampered, truncated, moved to another
     session or tenant, another model fingerprint, wrong key). It must not be used; rebuild."""
@@ -97,16 +103,18 @@ class CacheSealer(Protocol):
         step aside while a turn runs (see `TierManager`)."""
         ...
 
-    def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
-        """Raises `BlobRejected` if the blob does not authenticate or decode for this key."""
+    def open_session(self, key: CacheKey, blob: SealedBlob) -> SessionCache:
+        """Raises `BlobRejected` if the blob does not authenticate or decode for this key, and
+        `BlobMissing` if a piece of it cannot be read."""
         ...
 
     def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes:
         """Raises `SealFailed` if the base layer cannot be sealed for this key."""
         ...
 
-    def open_base(self, key: CacheKey, blob: bytes) -> BaseLayer:
-        """Raises `BlobRejected` if the blob does not authenticate or decode for this key."""
+    def open_base(self, key: CacheKey, blob: SealedBlob) -> BaseLayer:
+        """Raises `BlobRejected` if the blob does not authenticate or decode for this key, and
+        `BlobMissing` if a piece of it cannot be read."""
         ...
 
 
@@ -139,6 +147,11 @@ class SharedBlobStore(BlobStore, Protocol):
     those it has no index of included (they are still named by the tenant)."""
 
     def delete_tenant(self, tenant_id: TenantId) -> None: ...
+
+    def read(self, key: CacheKey) -> Generator[bytes, None, None]:
+        """The blob of `key` piece by piece as it is read (see `SealedBlob`). Raises `BlobMissing`,
+        while iterated, if the blob or a piece of it is absent or cannot be read."""
+        ...
 
 
 class TierEvents(Protocol):

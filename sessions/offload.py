@@ -3,17 +3,25 @@ and the adapter that hands those stores to the tier manager.
 
 `cache/` declares what it needs (`CacheSealer`, `BlobStore`); `storage/` provides the codec, the
 key ring and the stores; this module joins them, so neither of those packages imports the other.
-A blob is `seal(tenant data key, safetensors(tensors, header), aad(tenant, name, fingerprint,
-format version))`; any failure to authenticate or decode becomes `BlobRejected` and the turn
-rebuilds the cache from the transcript. A tenant whose data key is unavailable (deleted, or a
-master key that does not unwrap it) cannot seal: `SealFailed`, and the cache is dropped instead.
+A blob is the safetensors payload (tensors and header) sealed in chunks under the tenant's data
+key (`storage.chunked_blobs`: each chunk's associated data binds tenant, name, model fingerprint
+and format version, and the blob's id, the chunk's index and the chunk count), for every tier:
+the disk and host stores keep the frame whole, the Redis store one value per chunk, and a blob
+moves between them (a write-back's disk blob published to Redis) without being sealed again.
+Opening decrypts each chunk into one payload buffer as it arrives (from Redis: while the next
+chunks are read) and decodes the tensors in place. Blobs sealed whole before chunking
+(`storage.keyring.seal`, one AES-GCM over the payload) still open. Any failure to authenticate
+or decode becomes `BlobRejected` and the turn rebuilds the cache from the transcript. A tenant
+whose data key is unavailable (deleted, or a master key that does not unwrap it) cannot seal:
+`SealFailed`, and the cache is dropped instead.
 Errors are translated the same way for the stores: `storage`'s `BlobNotFound` becomes `cache`'s
 `BlobMissing` (`TierBlobStore`, and `SharedBlobStore` for the Redis tier of replicas).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import closing
 
 import torch
 
@@ -28,10 +36,11 @@ from cache.serialization import (
     session_cache_to_tensors,
 )
 from cache.session_cache import BaseLayer, SessionCache
-from cache.tiers import BlobMissing, BlobRejected, CacheKey, SealFailed, StoreUnavailable
+from cache.tiers import BlobMissing, BlobRejected, CacheKey, SealedBlob, SealFailed, StoreUnavailable
 from storage import codec
 from storage.blob_stores import BlobNotFound, DiskBlobStore, HostBlobStore
-from storage.keyring import AuthenticationFailed, KeyRingError, TenantKeys, blob_aad, open_sealed, seal
+from storage.chunked_blobs import CHUNK_BYTES, is_chunked, open_chunked, seal_chunked, split_frame
+from storage.keyring import AuthenticationFailed, KeyRingError, TenantKeys, blob_aad, open_sealed
 from storage.redis_store import RedisBlobStore, RedisUnavailable
 
 
@@ -44,6 +53,8 @@ class EncryptedCacheSealer:
         device: where opened caches are placed.
         precision: `exact`, `int8` or `int4` for unpinned turn layers (see `cache.serialization`).
         residual_tokens: most recent tokens kept exact when `precision` is lossy.
+        chunk_bytes: plaintext bytes per sealed chunk (`storage.chunked_blobs.CHUNK_BYTES`; tests
+            set a small one to get many chunks from small caches).
     """
 
     def __init__(
@@ -53,12 +64,14 @@ class EncryptedCacheSealer:
         device: torch.device,
         precision: str = "exact",
         residual_tokens: int = 0,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self._keys = keys
         self._fingerprint = model_fingerprint
         self._device = device
         self._precision = precision
         self._residual = residual_tokens
+        self.chunk_bytes = chunk_bytes
 
     def _aad(self, key: CacheKey, version: int = FORMAT_VERSION) -> bytes:
         return blob_aad(key.tenant_id, key.name, self._fingerprint, version)
@@ -69,31 +82,46 @@ class EncryptedCacheSealer:
         except KeyRingError as exc:
             raise SealFailed(f"no usable data key for tenant {key.tenant_id}: {exc}") from exc
 
-    def _open(self, key: CacheKey, blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    def _aads(self, key: CacheKey) -> list[bytes]:
+        """The associated data a blob of `key` may be bound to: the current format's, then the
+        older readable ones' (a blob written before an upgrade)."""
+        older = [v for v in READABLE_VERSIONS if v != FORMAT_VERSION]
+        return [self._aad(key, version) for version in [FORMAT_VERSION, *older]]
+
+    def _open(self, key: CacheKey, blob: SealedBlob) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         try:
-            payload = self._open_any_version(key, blob)
-            tensors, header = codec.decode(payload)
+            tensors, header = codec.decode(self._payload(key, blob))
         except (KeyRingError, codec.CodecError) as exc:
             raise BlobRejected(str(exc)) from exc
         if header.get("model_fingerprint") != self._fingerprint:
             raise BlobRejected("the blob was made with another model")
         return tensors, header
 
-    def _open_any_version(self, key: CacheKey, blob: bytes) -> bytes:
-        """The payload under the current format's associated data, else an older readable one's
-        (a blob written before an upgrade). Raises the current version's `AuthenticationFailed`."""
+    def _payload(self, key: CacheKey, blob: SealedBlob) -> bytes | bytearray:
+        """The plaintext payload of a chunked blob (whole, or in pieces: its header, then its
+        chunks, each decrypted as it arrives) or of a blob sealed whole before chunking."""
         data_key = self._keys.data_key(key.tenant_id)
-        try:
-            return open_sealed(data_key, blob, self._aad(key))
-        except AuthenticationFailed as current:
-            for version in READABLE_VERSIONS:
-                if version == FORMAT_VERSION:
-                    continue
-                try:
-                    return open_sealed(data_key, blob, self._aad(key, version))
-                except AuthenticationFailed:
-                    continue
-            raise current from None
+        if isinstance(blob, bytes):
+            if not is_chunked(blob):
+                return self._open_whole(key, data_key, blob)
+            frame_head, chunks = split_frame(blob)
+            return open_chunked(data_key, frame_head, chunks, self._aads(key))
+        with closing(blob):
+            head = next(blob, b"")
+            if not is_chunked(head):  # a value written before chunking comes as one piece
+                return self._open_whole(key, data_key, head)
+            return open_chunked(data_key, head, blob, self._aads(key))
+
+    def _open_whole(self, key: CacheKey, data_key: bytes, blob: bytes) -> bytes:
+        """A blob sealed whole, under the current format's associated data or an older readable
+        one's. Raises the current version's `AuthenticationFailed`."""
+        current: AuthenticationFailed | None = None
+        for aad in self._aads(key):
+            try:
+                return open_sealed(data_key, blob, aad)
+            except AuthenticationFailed as exc:
+                current = current or exc
+        raise current or AuthenticationFailed("no associated data to open the blob with")
 
     def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
         data_key = self._data_key(key)
@@ -102,9 +130,9 @@ class EncryptedCacheSealer:
         payload = codec.encode(tensors, header)
         if pause is not None:
             pause()
-        return seal(data_key, payload, self._aad(key))
+        return seal_chunked(data_key, payload, self._aad(key), self.chunk_bytes)
 
-    def open_session(self, key: CacheKey, blob: bytes) -> SessionCache:
+    def open_session(self, key: CacheKey, blob: SealedBlob) -> SessionCache:
         tensors, header = self._open(key, blob)
         try:
             return session_cache_from_tensors(tensors, header, self._device)
@@ -115,9 +143,9 @@ class EncryptedCacheSealer:
         data_key = self._data_key(key)
         tensors, header = base_layer_to_tensors(base)
         header["model_fingerprint"] = self._fingerprint
-        return seal(data_key, codec.encode(tensors, header), self._aad(key))
+        return seal_chunked(data_key, codec.encode(tensors, header), self._aad(key), self.chunk_bytes)
 
-    def open_base(self, key: CacheKey, blob: bytes) -> BaseLayer:
+    def open_base(self, key: CacheKey, blob: SealedBlob) -> BaseLayer:
         tensors, header = self._open(key, blob)
         try:
             return base_layer_from_tensors(tensors, header, self._device)
@@ -194,3 +222,11 @@ class SharedBlobStore(TierBlobStore):
     def delete_tenant(self, tenant_id: TenantId) -> None:
         """Every blob of the tenant in Redis (call it before the tenant's rows are deleted)."""
         self.redis.delete_tenant(tenant_id)
+
+    def read(self, key: CacheKey) -> Generator[bytes, None, None]:
+        """The blob piece by piece as Redis sends it (`RedisBlobStore.read`). Raises `BlobMissing`,
+        while iterated, if it or one of its chunks is absent or Redis fails, mid-read included."""
+        try:
+            yield from self.redis.read(key)
+        except (BlobNotFound, RedisUnavailable) as exc:
+            raise BlobMissing(f"redis blob {key.name}: {exc}") from exc

@@ -1,13 +1,28 @@
 """The Redis blob store: the shared KV tier that replicas load sealed caches from (DESIGN.md, "Scale-out").
 
-Each sealed blob is ONE Redis string written by ONE `SET key blob EX ttl` (never a payload key plus
-a metadata key, which a crash or an eviction could separate). Keys are
-`<prefix>:<fingerprint[:16]>:<tenant id>:{<name>}`: namespaced by model and tenant, with the
-session (or base layer) name as the Redis Cluster hash tag, so all of one session's keys live in
-one slot. The `cache_blobs` rows at location `"redis"` say what is where (rows written by every
-replica sharing the database); a TTL, and an optional byte budget over those rows, keep the tier
-bounded. Redis may drop a value behind the store (TTL, `maxmemory` eviction, a flush): `get` then
-raises `BlobNotFound` and removes the stale row, and the caller rebuilds the cache.
+A chunked blob (`storage.chunked_blobs`: a header and independently sealed chunks of about 2 MiB)
+is stored as one Redis string per chunk plus its header as the blob's **manifest**:
+
+    <prefix>:<fingerprint[:16]>:<tenant id>:{<name>}                      the manifest (header, 37 bytes)
+    <prefix>:<fingerprint[:16]>:<tenant id>:{<name>}:<blob id hex>:<i>    chunk i
+
+namespaced by model and tenant, with the session (or base layer) name as the Redis Cluster hash
+tag, so all of one session's keys live in one slot (pipelines stay legal in a cluster). A write
+is one pipeline: every chunk (`SET … EX`), then the manifest (`SET … EX … GET`); Redis runs one
+connection's commands in order, so a reader that sees the new manifest finds its chunks, and
+the old manifest that GET returns names the previous write's chunks, deleted next (every write
+draws a new blob id, so it never overwrites chunks a reader may be reading). A read GETs the
+manifest, then its chunks over one connection with `READ_WINDOW` GETs in flight, handing each
+chunk to the caller as it arrives (`read`), so the chunk before is decrypted while Redis sends
+the next. A missing chunk reads as a missing blob. Any other value (a whole blob sealed before
+chunking, or bytes of a test) is one string under the manifest's key, as before. `SET … GET` and
+`GETDEL` need Redis 6.2 or later.
+
+The `cache_blobs` rows at location `"redis"` say what is where (rows written by every replica
+sharing the database; `nbytes` counts every chunk); a TTL on every key, and an optional byte
+budget over those rows, keep the tier bounded. Redis may drop a value or a chunk behind the store
+(TTL, `maxmemory` eviction, a flush): `get` then raises `BlobNotFound` and removes the stale row,
+and the caller rebuilds the cache.
 
 A Redis that cannot be reached raises `RedisUnavailable` from `put` and `get`; `delete` still
 drops the row, `contains` answers `False`. The first failed call costs up to the client timeout
@@ -23,8 +38,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing, contextmanager
 from typing import Generic, cast
 
 import redis
@@ -34,7 +49,9 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from storage.blob_stores import BlobNotFound, K, _check_name
+from storage.chunked_blobs import HEADER_BYTES, ChunkedHeader, is_chunked, split_frame
 from storage.errors import StorageError
+from storage.keyring import AuthenticationFailed
 from storage.metadata_store import BlobRecord, MetadataStore
 
 log = logging.getLogger(__name__)
@@ -44,6 +61,26 @@ LOCATION = "redis"
 
 RedisClient = redis.Redis | RedisCluster
 _DELETE_BATCH = 256
+READ_WINDOW = 8
+"""Chunk GETs in flight on the reading connection: enough that Redis always has the next chunks to
+send while the caller opens one, few enough that Redis queues at most this many chunks for the
+reader (not the whole blob, as one GET of a 90 MB value does)."""
+
+
+def chunk_key(manifest_key: str, blob_id: bytes, index: int) -> str:
+    """Key of chunk `index` of blob `blob_id` stored under `manifest_key` (the same hash tag)."""
+    return f"{manifest_key}:{blob_id.hex()}:{index}"
+
+
+def _chunk_keys(manifest_key: str, manifest: bytes | None) -> list[str]:
+    """Keys of the chunks a manifest names; none for an absent value or a whole blob."""
+    if manifest is None or not is_chunked(manifest):
+        return []
+    try:
+        header = ChunkedHeader.parse(manifest)
+    except AuthenticationFailed:
+        return []  # not a header this store wrote: it names no chunks
+    return [chunk_key(manifest_key, header.blob_id, i) for i in range(header.chunk_count)]
 
 
 class RedisUnavailable(StorageError):
@@ -183,14 +220,37 @@ class RedisBlobStore(Generic[K]):
         return f"{self._namespace}:{_check_name(key.tenant_id)}:{{{_check_name(key.name)}}}"
 
     def put(self, key: K, blob: bytes) -> None:
-        """Store `blob` under `key` with the TTL and record its row, then hold the byte budget.
+        """Store `blob` under `key` with the TTL (a chunked blob as its chunks and manifest, anything
+        else as one value), delete the chunks of the value it replaced, record its row, then hold
+        the byte budget.
 
         If the owning session or tenant is gone, the value is deleted again and nothing is kept.
-        Raises `RedisUnavailable` if Redis fails (no row is recorded then).
+
+        Raises:
+            RedisUnavailable: Redis fails (no row is recorded then; chunks written before the
+                failure expire with their TTL).
+            ValueError: `blob` starts like a chunked blob but is not one (a caller's bug).
         """
         redis_key = self.redis_key(key)
-        with self._redis(f"put {redis_key}"):
-            self._client.set(redis_key, blob, ex=self.ttl_s)
+        manifest, chunks = blob, []
+        if is_chunked(blob):
+            try:
+                head, sealed = split_frame(blob)
+            except AuthenticationFailed as exc:
+                raise ValueError(f"put({key.name}): a malformed chunked blob: {exc}") from exc
+            blob_id = ChunkedHeader.parse(head).blob_id
+            manifest = bytes(head)
+            chunks = [(chunk_key(redis_key, blob_id, i), chunk) for i, chunk in enumerate(sealed)]
+        with self._redis(f"put {redis_key} ({len(chunks)} chunks)"):
+            pipe = self._client.pipeline(transaction=False)
+            for name, chunk in chunks:
+                pipe.set(name, chunk, ex=self.ttl_s)
+            pipe.set(redis_key, manifest, ex=self.ttl_s, get=True)
+            replaced = cast(bytes | None, pipe.execute()[-1])
+        # The same blob may be stored twice (a disk blob published by the write-back, then by a
+        # hand-over): its own chunks, just written again, stay.
+        written = {name for name, _ in chunks}
+        self._delete_keys([k for k in _chunk_keys(redis_key, replaced) if k not in written])
         recorded = self._metadata.put_blob(
             tenant_id=key.tenant_id,
             session_id=None if key.name.startswith("base-") else key.name,
@@ -204,19 +264,33 @@ class RedisBlobStore(Generic[K]):
         )
         if not recorded:
             # Its session or tenant was deleted meanwhile: the blob is not wanted any more.
-            self._delete_keys([redis_key])
+            self._delete_values([redis_key])
             log.debug("dropped redis blob %s/%s: its owner is gone", key.tenant_id, key.name)
             return
         if self.budget_bytes:
             self._hold_budget(key)
 
     def get(self, key: K) -> bytes:
-        """The blob of `key`.
+        """The blob of `key`, whole (a chunked blob's header and chunks joined).
 
         Raises:
-            BlobNotFound: no row, or Redis no longer holds the value (expired, evicted, flushed);
-                a row without its value is deleted.
+            BlobNotFound: no row, or Redis no longer holds the value or one of its chunks
+                (expired, evicted, flushed); a row without its value is deleted.
             RedisUnavailable: Redis cannot be reached.
+        """
+        with closing(self.read(key)) as pieces:
+            return b"".join(pieces)
+
+    def read(self, key: K) -> Generator[bytes, None, None]:
+        """The blob of `key` piece by piece as Redis sends it: the manifest's value (a chunked
+        blob's header, or a whole blob), then each chunk in order. Lazy: nothing is asked of
+        Redis before the first piece is taken. Close it to stop early (the reading connection,
+        with replies still in flight, is then closed rather than reused).
+
+        Raises, while it is iterated:
+            BlobNotFound: no row, or Redis no longer holds the value or one of its chunks; a row
+                without its value is deleted.
+            RedisUnavailable: Redis cannot be reached, or fails during the read.
         """
         redis_key = self.redis_key(key)
         row = self._metadata.get_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION)
@@ -225,17 +299,57 @@ class RedisBlobStore(Generic[K]):
             # it may be an older cache of the session, so it is never served.
             raise BlobNotFound(key.tenant_id, key.name)
         with self._redis(f"get {redis_key}"):
-            blob = cast(bytes | None, self._client.get(redis_key))
-        if blob is None:
-            log.info("redis blob %s/%s is gone (TTL, eviction or flush): dropping its row", key.tenant_id, key.name)
-            # Only the row read above: a writer may have stored the blob again since.
-            self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION, checksum=row.checksum)
+            manifest = cast(bytes | None, self._client.get(redis_key))
+        if manifest is None:
+            self._drop_row(row, "is gone (TTL, eviction or flush)")
             raise BlobNotFound(key.tenant_id, key.name)
-        return blob
+        yield manifest
+        keys = _chunk_keys(redis_key, manifest)
+        with closing(self._read_values(redis_key, keys)) as values:
+            for index, value in enumerate(values):
+                if value is None:
+                    self._drop_row(row, f"lost chunk {index} of {len(keys)}")
+                    raise BlobNotFound(key.tenant_id, key.name)
+                yield value
+
+    def _drop_row(self, row: BlobRecord, why: str) -> None:
+        log.info("redis blob %s/%s %s: dropping its row", row.tenant_id, row.name, why)
+        # Only the row read before: a writer may have stored the blob again since.
+        self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION, checksum=row.checksum)
+
+    def _read_values(self, slot_key: str, keys: list[str]) -> Generator[bytes | None, None, None]:
+        """GET each of `keys` (all in `slot_key`'s slot) on one connection, `READ_WINDOW` in flight,
+        yielding each value as it arrives. redis-py's pipelines send every command and then read
+        every reply before returning any; this hands over each reply as soon as it is read, and
+        Redis sends the next ones meanwhile."""
+        if not keys:
+            return
+        client = self._client
+        if isinstance(client, RedisCluster):
+            client = cast(redis.Redis, client.get_node_from_key(slot_key).redis_connection)
+        pool = client.connection_pool
+        with self._redis(f"read {len(keys)} chunks of {slot_key}"):
+            connection = pool.get_connection()
+            done = False
+            try:
+                sent = min(READ_WINDOW, len(keys))
+                connection.send_packed_command(connection.pack_commands([("GET", k) for k in keys[:sent]]))
+                for _ in keys:
+                    value = cast(bytes | None, connection.read_response())
+                    if sent < len(keys):
+                        connection.send_packed_command(connection.pack_commands([("GET", keys[sent])]))
+                        sent += 1
+                    yield value
+                done = True
+            finally:
+                if not done:
+                    connection.disconnect()  # replies may still be in flight: never reuse it
+                pool.release(connection)
 
     def delete(self, key: K) -> None:
-        """Delete value and row; if Redis is down the row still goes (the TTL removes the value)."""
-        self._delete_keys([self.redis_key(key)])
+        """Delete value (its chunks included) and row; if Redis is down the row still goes (the TTL
+        removes the value)."""
+        self._delete_values([self.redis_key(key)])
         self._metadata.delete_blob(tenant_id=key.tenant_id, name=key.name, location=LOCATION)
 
     def contains(self, key: K) -> bool:
@@ -248,13 +362,20 @@ class RedisBlobStore(Generic[K]):
             return False
 
     def nbytes(self, key: K) -> int:
-        """Length of the stored value (0 if absent or if Redis cannot be reached)."""
+        """Bytes of the stored blob, its chunks included (0 if absent or if Redis cannot be reached)."""
         redis_key = self.redis_key(key)
         try:
             with self._redis(f"strlen {redis_key}"):
-                return int(cast(int, self._client.strlen(redis_key)))
+                pipe = self._client.pipeline(transaction=False)
+                pipe.strlen(redis_key)
+                pipe.getrange(redis_key, 0, HEADER_BYTES - 1)
+                length, head = cast(tuple[int, bytes], tuple(pipe.execute()))
         except RedisUnavailable:
             return 0
+        try:
+            return ChunkedHeader.parse(head).frame_bytes if is_chunked(head) else int(length)
+        except AuthenticationFailed:
+            return int(length)
 
     def keys(self) -> list[K]:
         """Keys of this fingerprint's rows, oldest first (written by any replica)."""
@@ -334,8 +455,24 @@ class RedisBlobStore(Generic[K]):
             if self._metadata.delete_blob(
                 tenant_id=row.tenant_id, name=row.name, location=LOCATION, checksum=row.checksum
             ):
-                self._delete_keys([row.path])
+                self._delete_values([row.path])
             total -= row.nbytes
+
+    def _delete_values(self, manifest_keys: list[str]) -> None:
+        """Delete the values under `manifest_keys` and the chunks each manifest names (GETDEL: the
+        chunks of exactly the manifest removed, even if a writer replaces it meanwhile); if Redis
+        is down, leave them to their TTL."""
+        try:
+            with self._redis(f"delete {len(manifest_keys)} values"):
+                pipe = self._client.pipeline(transaction=False)
+                for key in manifest_keys:
+                    pipe.getdel(key)
+                removed = cast(list[bytes | None], pipe.execute())
+        except RedisUnavailable:
+            return  # already logged; the values expire with their TTL
+        self._delete_keys(
+            [k for key, value in zip(manifest_keys, removed, strict=True) for k in _chunk_keys(key, value)]
+        )
 
     def _delete_keys(self, redis_keys: list[str]) -> None:
         """DEL the keys; if Redis is down, log it and leave them to their TTL."""

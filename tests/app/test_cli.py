@@ -25,9 +25,10 @@ from cache.serialization import FORMAT_VERSION
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.replicas.ownership import SessionOwnership
+from storage.chunked_blobs import open_chunked, split_frame
 from storage.database import head_revision, open_database, upgrade
 from storage.home_lock import program_name
-from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, open_sealed, parse_master_key
+from storage.keyring import AuthenticationFailed, NoDataKey, blob_aad, parse_master_key
 from storage.metadata_store import MetadataStore
 from storage.replica_store import ReplicaStore
 from storage.schema import SessionRow
@@ -145,7 +146,7 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
     shutil.copy(blob_path, surviving)
     blob = surviving.read_bytes()
     aad = blob_aad(acme, sessions["acme"], fingerprint, FORMAT_VERSION)
-    assert open_sealed(acme_key, blob, aad)  # readable while the tenant's data key exists
+    assert open_chunked(acme_key, *split_frame(blob), [aad])  # readable while the tenant's data key exists
 
     cli.ok("tenants", "delete", "acme", "--yes")
 
@@ -161,7 +162,7 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
         assert manager.keys.data_key(globex) == globex_key  # the other tenant is untouched
     for key in (parse_master_key(MASTER_KEY), globex_key):  # every key the system still has
         with pytest.raises(AuthenticationFailed):
-            open_sealed(key, blob, aad)
+            open_chunked(key, *split_frame(blob), [aad])
     metadata.database.dispose()
 
 

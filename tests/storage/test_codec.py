@@ -73,3 +73,28 @@ def test_truncated_tensor_bytes_are_rejected() -> None:
     data = encode({"k.0": torch.ones(1, 2, 9, 16)}, HEADER)
     with pytest.raises(CodecError):
         decode(data[:-10])
+
+
+def test_a_bytearray_is_decoded_in_place_and_bytes_are_copied_once() -> None:
+    keys, ids = torch.randn(1, 2, 5, 8).to(torch.bfloat16), torch.arange(10, dtype=torch.int32)
+    data = encode({"k.0": keys, "idx.0": ids, "empty.0": torch.zeros(0, 3)}, HEADER)
+    buffer = bytearray(data)
+    tensors, _ = decode(buffer)
+    assert torch.equal(tensors["k.0"], keys) and torch.equal(tensors["idx.0"], ids)
+    assert tensors["empty.0"].shape == (0, 3)
+    start = buffer.find(ids.numpy().tobytes())
+    buffer[start : start + 4] = (99).to_bytes(4, "little")  # a view of the buffer: no copy was made
+    assert int(tensors["idx.0"][0]) == 99
+    copied, _ = decode(data)
+    assert torch.equal(copied["idx.0"], ids)
+
+
+def test_tensor_offsets_outside_the_payload_or_of_the_wrong_size_are_rejected() -> None:
+    data = encode({"k.0": torch.ones(4)}, HEADER)
+    length = struct.unpack_from("<Q", data)[0]
+    table = json.loads(data[8 : 8 + length])
+    for offsets in ([0, 12], [0, 1 << 40], [8, 4]):
+        table["k.0"]["data_offsets"] = offsets
+        raw = json.dumps(table).encode()
+        with pytest.raises(CodecError):
+            decode(struct.pack("<Q", len(raw)) + raw + data[8 + length :])

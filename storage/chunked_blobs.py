@@ -1,0 +1,228 @@
+"""Chunked sealing: a cache blob as a header and a run of independently sealed chunks, so a reader
+can open each chunk as it arrives (the Redis tier stores one value per chunk and reads them
+pipelined) and a chunk out of place is caught on its own.
+
+    frame = header | chunk 0 | chunk 1 | ... | chunk n-1
+    header (37 bytes) = "CKVC1" | blob id (16 random bytes) | n (u32) | chunk bytes (u32) | payload bytes (u64)
+    chunk i = AES-256-GCM(blob key, nonce = i as 12 bytes, plaintext = payload[i*chunk : (i+1)*chunk],
+                          associated data = the blob's associated data | blob id | i | n | chunk bytes | payload bytes)
+    blob key = HKDF-SHA256(tenant data key, salt = blob id, info = "chatkv-chunked-blob")
+
+Every chunk's plaintext is `chunk bytes` long but the last (`payload bytes` minus the others, at
+least 0: an empty payload is one empty chunk); a sealed chunk is 16 bytes (the tag) longer. Every
+write draws a new blob id, hence a new blob key, so a chunk of another blob (another session,
+another write of the same session) does not authenticate; the index, count and sizes in the
+associated data reject a swapped, reordered, dropped or extra chunk; the blob's associated data
+(tenant, name, model fingerprint, format version: `storage.keyring.blob_aad`) rejects a blob moved
+to another name. Counter nonces are unique because each blob key seals one blob only; so a
+tenant's data key no longer spends one random nonce per chunk.
+
+The header is not secret and is not checked on its own: the first chunk authenticates it (a header
+that lies about the blob id, the count or the sizes makes every chunk fail), and nothing larger
+than one chunk is allocated before that.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from storage.keyring import KEY_BYTES, NONCE_BYTES, AuthenticationFailed
+
+CHUNKED_MAGIC = b"CKVC1"
+CHUNK_BYTES = 2 * 1024 * 1024
+"""Plaintext bytes per chunk. Streamed from Redis, 1, 2 and 4 MiB chunks restored 2-4x faster than
+one GET of the whole value, within noise of each other, 2 MiB best or close at every size
+(benchmarks/README.md, `redis_restore.py`); it also bounds what Redis queues for a reader
+(`storage.redis_store.READ_WINDOW` chunks)."""
+MAX_CHUNK_BYTES = 64 * 1024 * 1024
+TAG_BYTES = 16
+BLOB_ID_BYTES = 16
+_HEADER = struct.Struct(f"<{len(CHUNKED_MAGIC)}s{BLOB_ID_BYTES}sIIQ")
+HEADER_BYTES = _HEADER.size
+_KDF_INFO = b"chatkv-chunked-blob"
+
+
+def is_chunked(blob: bytes | memoryview) -> bool:
+    """Whether `blob` starts like a chunked frame (else it is a whole blob of `storage.keyring.seal`,
+    written before chunking, or not a sealed blob at all)."""
+    return bytes(blob[: len(CHUNKED_MAGIC)]) == CHUNKED_MAGIC
+
+
+@dataclass(frozen=True)
+class ChunkedHeader:
+    """What a frame's header says: blob id, chunk count, plaintext bytes per chunk, payload bytes.
+
+    Raises:
+        ValueError: sizes that no frame has (count 0, a chunk size out of 1..MAX_CHUNK_BYTES, a
+            payload that does not fill `chunk_count` chunks, a blob id of the wrong length).
+    """
+
+    blob_id: bytes
+    chunk_count: int
+    chunk_bytes: int
+    payload_bytes: int
+
+    def __post_init__(self) -> None:
+        if len(self.blob_id) != BLOB_ID_BYTES:
+            raise ValueError(f"a blob id is {BLOB_ID_BYTES} bytes, got {len(self.blob_id)}")
+        if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {self.chunk_bytes}")
+        if self.chunk_count != max(1, -(-self.payload_bytes // self.chunk_bytes)):
+            raise ValueError(
+                f"{self.payload_bytes} payload bytes in chunks of {self.chunk_bytes} are not {self.chunk_count} chunks"
+            )
+
+    @classmethod
+    def new(cls, payload_bytes: int, chunk_bytes: int) -> ChunkedHeader:
+        """The header of a new write: a random blob id."""
+        count = max(1, -(-payload_bytes // chunk_bytes)) if chunk_bytes > 0 else 0
+        return cls(os.urandom(BLOB_ID_BYTES), count, chunk_bytes, payload_bytes)
+
+    @classmethod
+    def parse(cls, data: bytes | memoryview) -> ChunkedHeader:
+        """The header at the start of `data`. Raises `AuthenticationFailed` if it is none."""
+        if len(data) < HEADER_BYTES or not is_chunked(data):
+            raise AuthenticationFailed("not a chunked chatkv blob (bad magic or truncated header)")
+        _, blob_id, count, chunk_bytes, payload_bytes = _HEADER.unpack_from(data)
+        try:
+            return cls(blob_id, count, chunk_bytes, payload_bytes)
+        except ValueError as exc:
+            raise AuthenticationFailed(f"a chunked blob header that no blob has: {exc}") from exc
+
+    def to_bytes(self) -> bytes:
+        return _HEADER.pack(CHUNKED_MAGIC, self.blob_id, self.chunk_count, self.chunk_bytes, self.payload_bytes)
+
+    def plain_bytes(self, index: int) -> int:
+        """Plaintext bytes of chunk `index`."""
+        return min(self.chunk_bytes, self.payload_bytes - index * self.chunk_bytes)
+
+    def sealed_bytes(self, index: int) -> int:
+        """Bytes of sealed chunk `index` (its plaintext plus the tag)."""
+        return self.plain_bytes(index) + TAG_BYTES
+
+    @property
+    def frame_bytes(self) -> int:
+        """Bytes of the whole frame: header and every sealed chunk."""
+        return HEADER_BYTES + self.payload_bytes + self.chunk_count * TAG_BYTES
+
+    def chunk_aad(self, blob_aad: bytes, index: int) -> bytes:
+        """Associated data of chunk `index`: the blob's, then everything the header says, then the index."""
+        return (
+            blob_aad
+            + (
+                f"|blob={self.blob_id.hex()}|chunk={index}/{self.chunk_count}"
+                f"|chunk_bytes={self.chunk_bytes}|payload_bytes={self.payload_bytes}"
+            ).encode()
+        )
+
+    def cipher(self, data_key: bytes) -> AESGCM:
+        """AES-GCM under this blob's own key, derived from the tenant's data key and the blob id."""
+        kdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=self.blob_id, info=_KDF_INFO)
+        return AESGCM(kdf.derive(data_key))
+
+
+def _nonce(index: int) -> bytes:
+    return index.to_bytes(NONCE_BYTES, "big")
+
+
+def seal_chunked(data_key: bytes, payload: bytes, blob_aad: bytes, chunk_bytes: int = CHUNK_BYTES) -> bytes:
+    """The frame of `payload` sealed in chunks of `chunk_bytes` under `data_key`, bound to `blob_aad`.
+
+    Raises:
+        ValueError: `chunk_bytes` out of 1..MAX_CHUNK_BYTES.
+    """
+    header = ChunkedHeader.new(len(payload), chunk_bytes)
+    cipher, view = header.cipher(data_key), memoryview(payload)
+    pieces = [header.to_bytes()]
+    for index in range(header.chunk_count):
+        start = index * chunk_bytes
+        pieces.append(
+            cipher.encrypt(_nonce(index), view[start : start + chunk_bytes], header.chunk_aad(blob_aad, index))
+        )
+    return b"".join(pieces)
+
+
+def split_frame(frame: bytes | memoryview) -> tuple[memoryview, list[memoryview]]:
+    """The header and the sealed chunks of a whole frame, as views (no copy).
+
+    Raises:
+        AuthenticationFailed: not a frame, or not as long as its header says (truncated, extended).
+    """
+    header = ChunkedHeader.parse(frame)
+    if len(frame) != header.frame_bytes:
+        raise AuthenticationFailed(f"a chunked blob of {len(frame)} bytes, its header says {header.frame_bytes}")
+    view, chunks, offset = memoryview(frame), [], HEADER_BYTES
+    for index in range(header.chunk_count):
+        chunks.append(view[offset : offset + header.sealed_bytes(index)])
+        offset += header.sealed_bytes(index)
+    return view[:HEADER_BYTES], chunks
+
+
+def open_chunked(
+    data_key: bytes, head: bytes | memoryview, chunks: Iterable[bytes | memoryview], blob_aads: Sequence[bytes]
+) -> bytearray:
+    """The payload of a chunked blob, each chunk decrypted into place as it comes from `chunks`
+    (so a reader fetching the next chunks overlaps with this).
+
+    `head` is the frame's header, `chunks` its sealed chunks in order; `blob_aads` the associated
+    data the blob may be bound to, the current format's first (the first chunk that authenticates
+    under one decides it for the others).
+
+    Raises:
+        AuthenticationFailed: a header that does not parse; a chunk that does not authenticate
+            (tampered, of another blob or another write, out of its place, bound to another
+            tenant, name, model or format); fewer or more chunks than the header says.
+    """
+    header = ChunkedHeader.parse(head)
+    cipher = header.cipher(data_key)
+    pieces: Iterator[bytes | memoryview] = iter(chunks)
+    first = next(pieces, None)
+    if first is None:
+        raise AuthenticationFailed(f"a chunked blob without its chunks ({header.chunk_count} expected)")
+    plain, blob_aad = _open_first(header, cipher, first, blob_aads)
+    # Allocated once the first chunk vouched for the header's sizes.
+    payload = bytearray(header.payload_bytes)
+    payload[: len(plain)] = plain
+    view, index = memoryview(payload), 0
+    for index, sealed in enumerate(pieces, start=1):
+        if index >= header.chunk_count:
+            raise AuthenticationFailed(f"more chunks than the {header.chunk_count} its header says")
+        if len(sealed) != header.sealed_bytes(index):
+            raise AuthenticationFailed(
+                f"chunk {index} is {len(sealed)} bytes, its header says {header.sealed_bytes(index)}"
+            )
+        start = index * header.chunk_bytes
+        try:
+            cipher.decrypt_into(
+                _nonce(index),
+                sealed,
+                header.chunk_aad(blob_aad, index),
+                view[start : start + header.plain_bytes(index)],
+            )
+        except InvalidTag as exc:
+            raise AuthenticationFailed(f"chunk {index} of {header.chunk_count} does not authenticate") from exc
+    if index + 1 != header.chunk_count:
+        raise AuthenticationFailed(f"{index + 1} chunks of the {header.chunk_count} its header says")
+    return payload
+
+
+def _open_first(
+    header: ChunkedHeader, cipher: AESGCM, sealed: bytes | memoryview, blob_aads: Sequence[bytes]
+) -> tuple[bytes, bytes]:
+    """Chunk 0's plaintext and the blob associated data it authenticates under."""
+    if len(sealed) != header.sealed_bytes(0):
+        raise AuthenticationFailed(f"chunk 0 is {len(sealed)} bytes, its header says {header.sealed_bytes(0)}")
+    for blob_aad in blob_aads:
+        try:
+            return cipher.decrypt(_nonce(0), sealed, header.chunk_aad(blob_aad, 0)), blob_aad
+        except InvalidTag:
+            continue
+    raise AuthenticationFailed(f"chunk 0 of {header.chunk_count} does not authenticate")
