@@ -51,6 +51,8 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "max_concurrent_requests_per_tenant": ("5", 5),
     "admin_token": ("s3cret", "s3cret"),
     "session_retention_s": ("30d", 30 * 86400.0),
+    "implicit_retention_s": ("7d", 7 * 86400.0),
+    "fork_sessions": ("off", False),
     "metrics_tenant_labels": ("on", True),
     "redis_url": ("redis://cache.internal:6379/0", "redis://cache.internal:6379/0"),
     "redis_cluster": ("yes", True),
@@ -62,6 +64,8 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "ownership_lease_s": ("20", 20.0),
     "ownership_wait_s": ("5", 5.0),
     "ownership_idle_s": ("2m", 120.0),
+    "routing": ("handover", "handover"),
+    "forward_queue_limit": ("8", 8),
 }
 
 
@@ -307,11 +311,15 @@ def test_the_replica_config_carries_the_replica_and_ownership_fields(monkeypatch
         ownership_lease_s=20.0,
         ownership_wait_s=5.0,
         ownership_idle_s=120.0,
+        routing="handover",
+        forward_queue_limit=8,
     )
     with pytest.raises(ValueError, match=r"^replica_id must be 1-32 of A-Z a-z 0-9 _ . -, got 'a/b'$"):
         replace(config, replica_id="a/b")
     with pytest.raises(ValueError, match=r"^ownership_lease_s must be in \[0.5, 3600\] seconds, got 0.1$"):
         replace(config, ownership_lease_s=0.1)
+    with pytest.raises(ValueError, match=r"^routing must be 'forward' or 'handover', got 'proxy'$"):
+        replace(config, routing="proxy")  # type: ignore[arg-type]
 
 
 def test_the_default_settings_build_every_sub_config(tmp_path: Path) -> None:
