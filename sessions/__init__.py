@@ -2,9 +2,9 @@
 what the faces (`app/`: CLI, chat page, HTTP API) need beside them. `app/` imports from here only
 (`from sessions import ...`); nothing under `sessions.` is its door.
 
-`SessionManager` and `SessionDetail` (and with them torch and transformers) are imported on first
-use, so a tool that only needs settings, records, error types or the admin operations (the admin
-CLI, offline or talking to a server) starts fast.
+`SessionManager`, `SessionDetail`, `HistoryTurn` and `Route` (and with them torch and
+transformers) are imported on first use, so a tool that only needs settings, records, error types
+or the admin operations (the admin CLI, offline or talking to a server) starts fast.
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
     from sessions.history_lookup import HistoryTurn
     from sessions.manager import SessionManager
+    from sessions.replicas.routing import Route
 
 _LAZY = {
     "SessionManager": "sessions.manager",
     "SessionDetail": "sessions.catalogue",
     "HistoryTurn": "sessions.history_lookup",
+    "Route": "sessions.replicas.routing",
 }
 
 if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accept any name from here
@@ -106,6 +108,7 @@ __all__ = [
     "Reply",
     "RestoreResult",
     "RestoreSource",
+    "Route",
     "SessionBusy",
     "SessionDetail",
     "SessionExists",

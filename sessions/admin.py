@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cache.ids import SessionId, TenantId
-from sessions.errors import InvalidInput, SessionNotFound, TenantNotFound
+from sessions.errors import InvalidInput, ReplicaNotFound, SessionNotFound, TenantNotFound
 from sessions.registry import Placement, Registry
 from sessions.retention import Retention, check_retention_s, expires_at
 from sessions.settings import MAX_DURATION_S, Settings
@@ -303,8 +303,10 @@ class AdminOps:
 
     def replicas(self) -> Json:
         """The replicas registered in this database: id, URL, last heartbeat (and its age), sessions
-        owned now, KV-cache bytes held; `alive` while the heartbeat is younger than a lease
-        (`CHATKV_OWNERSHIP_LEASE_S`: a replica silent longer has lost its sessions)."""
+        owned now, KV-cache bytes held, turns queued at the last heartbeat; `alive` while the
+        heartbeat is younger than a lease (`CHATKV_OWNERSHIP_LEASE_S`: a replica silent longer
+        has lost its sessions); `draining` once it hands its sessions over (`drain_replica`, or
+        stopping); `state` is `alive`, `draining` or `gone`."""
         now = time.time()
         lease_s = self.settings.ownership_lease_s
         rows = ReplicaStore(self.metadata.database).list_replicas(now_unix_s=now)
@@ -321,12 +323,28 @@ class AdminOps:
                     "last_heartbeat": r.heartbeat_at.isoformat(),
                     "heartbeat_age_s": round(max(0.0, now - r.heartbeat_unix_s), 3),
                     "alive": now - r.heartbeat_unix_s <= lease_s,
+                    "draining": r.draining,
+                    "state": "gone" if now - r.heartbeat_unix_s > lease_s else "draining" if r.draining else "alive",
                     "sessions_owned": r.sessions_owned,
                     "cache_bytes": r.cache_bytes,
+                    "queued_turns": r.queued_turns,
                 }
                 for r in rows
             ],
         }
+
+    def drain_replica(self, replica_id: str) -> Json:
+        """Ask the replica `replica_id` to drain, through the database: its keeper reads the mark
+        with its next heartbeat (within a third of a lease), then hands each session over as soon
+        as no turn uses it; other replicas stop forwarding turns to it and send new sessions
+        elsewhere. The mark stays until a new process registers under the id (a restart).
+
+        Raises:
+            ReplicaNotFound: if no replica is registered under the id.
+        """
+        if not ReplicaStore(self.metadata.database).set_draining(replica_id=replica_id):
+            raise ReplicaNotFound(replica_id)
+        return {"id": replica_id, "draining": True}
 
     def rotate_master_key(self, new_key: str | None = None) -> Json:
         """Re-wrap every tenant's data key under a new master key (generated unless given)."""

@@ -114,8 +114,12 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     tier_config = settings.tier_config()
     budget = window.budget_tokens(engine.max_context_tokens)
     keys = _tenant_keys(settings, metadata)
+    replica_config = settings.replica_config()
     replicas = Replicas(
-        replica_id_for(settings.replica_config()) if settings.replica_mode else None, settings.replica_url
+        replica_id_for(replica_config) if settings.replica_mode else None,
+        settings.replica_url,
+        forward=replica_config.routing == "forward",
+        forward_queue_limit=replica_config.forward_queue_limit,
     )
     metrics = Metrics(tenant_labels=settings.metrics_tenant_labels, replica=replicas.replica_id)
     disk_store: DiskBlobStore[CacheKey] = DiskBlobStore(
@@ -180,8 +184,14 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     )
     if replicas.replica_id is not None:
         invalidate = _local_invalidation(transcripts, tiers)
+
+        def queued_turns() -> int:
+            return sum(engine.loop.stats().waiting.values())
+
         replicas.start(
-            start_ownership(settings.replica_config(), ReplicaStore(database), replicas.replica_id, tiers, invalidate)
+            start_ownership(
+                replica_config, ReplicaStore(database), replicas.replica_id, tiers, invalidate, queued_turns
+            )
         )
     return parts
 

@@ -81,6 +81,15 @@ class ReplicaRetired(ChatKVError):
     http_status = 503
 
 
+class ReplicaNotFound(ChatKVError):
+    """No replica is registered under this id (`chatkv replicas` lists them)."""
+
+    http_status = 404
+
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(f"replica not found: {replica_id}")
+
+
 class ContextTooLong(ChatKVError):
     """The new message (plus `max_new_tokens`) cannot fit in the model's context, even after the
     context window has demoted every unpinned turn; or a system prompt leaves no room for a turn.

@@ -117,6 +117,29 @@ class HistoryLookup:
 
         return HistoryTurn(run)
 
+    def session_for(
+        self, tenant_id: TenantId, system_prompt: str | None, history: Sequence[tuple[str, str]]
+    ) -> SessionId | None:
+        """The session a turn on this posted history would continue, or the parent it would fork,
+        chosen ahead as `turn` chooses (without running anything); `None`: a new session. Among
+        replicas, the turn is forwarded to that session's owner, whose own lookup then finds it
+        (or, if it is busy there by then, forks it)."""
+        matches = self._matches(tenant_id, system_prompt, history)
+        for match in matches:
+            if match.whole and match.turns == len(history):
+                return SessionId(match.session_id)
+        parent = self._parent(tenant_id, history, matches)
+        return SessionId(parent.session_id) if parent is not None else None
+
+    def _parent(
+        self, tenant_id: TenantId, history: Sequence[tuple[str, str]], matches: list[PrefixMatch]
+    ) -> PrefixMatch | None:
+        """The cheapest session holding every posted turn, to fork; `None` without forks."""
+        whole = [m for m in matches if m.turns == len(history)]
+        if not whole or self._forks is None:
+            return None
+        return min(whole, key=lambda match: self._cost(tenant_id, match))
+
     def _matches(
         self, tenant_id: TenantId, system_prompt: str | None, history: Sequence[tuple[str, str]]
     ) -> list[PrefixMatch]:
@@ -133,9 +156,8 @@ class HistoryLookup:
     ) -> TurnStream:
         """Fork the best parent holding every posted turn, else open a new session; run the turn
         there, deleting the session again unless the turn completes."""
-        whole = [m for m in matches if m.turns == len(history)]
-        if whole and self._forks is not None:
-            parent = min(whole, key=lambda match: self._cost(tenant_id, match))
+        parent = self._parent(tenant_id, history, matches)
+        if parent is not None and self._forks is not None:
             # Made for a stateless request: it expires like an implicit session when idle.
             made = self._forks.fork(tenant_id, parent.session_id, len(history), origin="implicit")
             turn.session_id, turn.action = made.session_id, "fork"

@@ -22,6 +22,7 @@ the work, one job each, and every method here checks its arguments and hands ove
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -37,11 +38,13 @@ from sessions.errors import (
     InvalidInput,
     InvalidSettings,
     ManagerClosed,
+    SessionNotFound,
     TenantNotFound,
 )
 from sessions.history_lookup import HistoryTurn
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
+from sessions.replicas.routing import Route
 from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
 from sessions.sampling import SamplingParams
 from sessions.settings import Settings
@@ -446,6 +449,59 @@ class SessionManager:
         tenant_id = self._parts.registry.tenant_id(tenant)
         if not self._parts.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
             raise TenantNotFound(str(tenant_id))
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    def route_turn(self, tenant: TenantRef, session_id: str | None, *, forwarded: bool = False) -> Route:
+        """Where a turn of the tenant's session (an id or a name; `None` or an unknown one: a new
+        session) runs among replicas: here, forwarded to the owner, or here once the owner hands
+        it over (`sessions.replicas.routing`); always here for a single process.
+
+        Args:
+            forwarded: the request came from another replica (its hop marker): never forward it.
+        """
+        registry = self._parts.registry
+        tenant_id = registry.tenant_id(tenant)
+        key = None
+        if session_id is not None:
+            with contextlib.suppress(SessionNotFound):  # the turn itself makes it, or answers 404
+                key = CacheKey.for_session(tenant_id, SessionId(registry.session_record(tenant_id, session_id).id))
+        return self._routed(key, forwarded)
+
+    def route_history(
+        self,
+        tenant: TenantRef,
+        system_prompt: str | None,
+        history: Sequence[tuple[str, str]],
+        *,
+        forwarded: bool = False,
+    ) -> Route:
+        """`route_turn` for `continue_history`: the route of the session the posted history would
+        continue, or of the parent it would fork (`Route.session_id`; `None`: a new session)."""
+        tenant_id = self._parts.registry.tenant_id(tenant)
+        found = self._parts.lookup.session_for(tenant_id, system_prompt, history)
+        return self._routed(CacheKey.for_session(tenant_id, found) if found is not None else None, forwarded)
+
+    def _routed(self, key: CacheKey | None, forwarded: bool) -> Route:
+        route = self._parts.replicas.route(key, forwarded=forwarded)
+        self._parts.metrics.routes.labels(route.kind).inc()
+        return route
+
+    def forward_failed(self, route: Route, error: str) -> Route:
+        """A forward that never reached `route.url` (`error`: why, one line): the turn runs here
+        once the owner hands the session over (or its lease expires). Returns that route."""
+        self._parts.metrics.routes.labels("forward_failed").inc()
+        return self._parts.replicas.forward_failed(route, error)
+
+    def drain(self) -> None:
+        """Start draining this replica: hand its sessions over as their turns end, and send new
+        ones to other replicas (`chatkv serve` does it on SIGTERM; `chatkv replicas drain` asks a
+        replica through the database). Nothing to do for a single process."""
+        self._parts.replicas.drain()
+
+    @property
+    def draining(self) -> bool:
+        return self._parts.replicas.draining
 
     def set_replica_url(self, url: str) -> None:
         """The URL this process serves at (`chatkv serve` calls it), shown to clients of other

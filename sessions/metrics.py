@@ -150,6 +150,14 @@ class Metrics:
             ["choice"],
             registry=r,
         )
+        self.routes = Counter(
+            "chatkv_routes",
+            "Turns asked of this replica, by where they ran: local; forward (to the session's owner, or "
+            "away from this draining replica); handover (here, once the owner handed the session over); "
+            "forward_failed (the owner could not be reached: handed over)",
+            ["route"],
+            registry=r,
+        )
         self._tenant_tokens: dict[str, tuple[int, int]] = {}
         self._tenant_tokens_lock = threading.Lock()
         self.evictions = Counter(

@@ -81,10 +81,16 @@ class ReplicaRecord:
     heartbeat_unix_s: float
     cache_bytes: int
     sessions_owned: int
+    queued_turns: int = 0
+    draining: bool = False
 
 
 @dataclass(frozen=True)
 class OwnerRecord:
+    """A session's lease row, with what its holder's last heartbeat said (where to forward a turn,
+    and whether the holder is fit to take it: `owner_heartbeat_unix_s` is `None` when nobody holds
+    the lease or its replica is not registered any more)."""
+
     session_id: str
     replica_id: str | None
     epoch: int
@@ -92,6 +98,9 @@ class OwnerRecord:
     last_owner: str | None
     wanted_by: str | None
     owner_url: str | None
+    owner_heartbeat_unix_s: float | None = None
+    owner_draining: bool = False
+    owner_queued_turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,8 +143,9 @@ class ReplicaStore(Repository):
                         if row.heartbeat_unix_s > now_unix_s - live_within_s:
                             return _record(row, sessions_owned=0)
                         row.started_at, row.cache_bytes = now, 0
+                        row.queued_turns, row.draining = 0, False  # a new process drains when told
                     if row is None:
-                        row = ReplicaRow(id=replica_id, cache_bytes=0, started_at=now)
+                        row = ReplicaRow(id=replica_id, cache_bytes=0, started_at=now, queued_turns=0, draining=False)
                         db.add(row)
                     row.incarnation, row.url, row.hostname, row.pid = incarnation, url, hostname, pid
                     row.heartbeat_at, row.heartbeat_unix_s = now, now_unix_s
@@ -156,10 +166,14 @@ class ReplicaStore(Repository):
                     raise
                 retried = True
 
-    def heartbeat(self, *, replica_id: str, incarnation: str, cache_bytes: int, now_unix_s: float) -> str:
-        """Record that this incarnation of the replica lives. Returns `"ok"`; `"missing"` if the
-        row is gone (an operator removed it: the caller registers again); `"taken"` if another
-        process registered under the id since (the caller stops holding anything)."""
+    def heartbeat(
+        self, *, replica_id: str, incarnation: str, cache_bytes: int, now_unix_s: float, queued_turns: int = 0
+    ) -> str:
+        """Record that this incarnation of the replica lives, with its cache bytes and the turns
+        waiting in its engine queue. Returns `"ok"`; `"draining"` if the replica is to drain (it,
+        or an operator, said so: `set_draining`); `"missing"` if the row is gone (an operator
+        removed it: the caller registers again); `"taken"` if another process registered under
+        the id since (the caller stops holding anything)."""
         with self._unit() as db:
             result = db.execute(
                 update(ReplicaRow)
@@ -168,11 +182,21 @@ class ReplicaStore(Repository):
                     heartbeat_at=datetime.fromtimestamp(now_unix_s, UTC),
                     heartbeat_unix_s=now_unix_s,
                     cache_bytes=cache_bytes,
+                    queued_turns=queued_turns,
                 )
             )
             if getattr(result, "rowcount", 0):
-                return "ok"
+                draining = db.scalar(select(ReplicaRow.draining).where(ReplicaRow.id == replica_id))
+                return "draining" if draining else "ok"
             return "missing" if db.get(ReplicaRow, replica_id) is None else "taken"
+
+    def set_draining(self, *, replica_id: str) -> bool:
+        """Mark the replica as draining (it hands its sessions over, others stop forwarding turns
+        to it); its keeper reads the mark with its next heartbeat. Returns `False` if no replica is
+        registered under the id. The mark lasts until a new process registers under the id."""
+        with self._unit() as db:
+            result = db.execute(update(ReplicaRow).where(ReplicaRow.id == replica_id).values(draining=True))
+            return bool(getattr(result, "rowcount", 0))
 
     def unregister(self, *, replica_id: str, incarnation: str) -> None:
         """Remove the replica's row and give up its leases (a clean shutdown); rows and leases of
@@ -326,7 +350,7 @@ class ReplicaStore(Repository):
             row = db.get(SessionOwnerRow, session_id)
             if row is None:
                 return None
-            url = db.scalar(select(ReplicaRow.url).where(ReplicaRow.id == row.replica_id)) if row.replica_id else None
+            holder = db.get(ReplicaRow, row.replica_id) if row.replica_id else None
             return OwnerRecord(
                 session_id=row.session_id,
                 replica_id=row.replica_id,
@@ -334,7 +358,10 @@ class ReplicaStore(Repository):
                 expires_unix_s=row.expires_unix_s,
                 last_owner=row.last_owner,
                 wanted_by=row.wanted_by,
-                owner_url=url,
+                owner_url=holder.url if holder is not None else None,
+                owner_heartbeat_unix_s=holder.heartbeat_unix_s if holder is not None else None,
+                owner_draining=bool(holder.draining) if holder is not None else False,
+                owner_queued_turns=holder.queued_turns if holder is not None else 0,
             )
 
 
@@ -378,4 +405,6 @@ def _record(row: ReplicaRow, *, sessions_owned: int) -> ReplicaRecord:
         heartbeat_unix_s=row.heartbeat_unix_s,
         cache_bytes=row.cache_bytes,
         sessions_owned=sessions_owned,
+        queued_turns=row.queued_turns,
+        draining=bool(row.draining),
     )

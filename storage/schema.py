@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Dialect,
     Float,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.expression import false
 
 
 def utcnow() -> datetime:
@@ -184,6 +186,12 @@ class ReplicaRow(Base):
     incarnation: Mapped[str | None] = mapped_column(String(32), default=None)
     """Random per process: tells a restarted process, or a second one started with the same id,
     from the one that registered."""
+    queued_turns: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Turns waiting in the replica's engine queue at its last heartbeat (others hand a session over
+    rather than forward a turn to an owner over their `forward_queue_limit`)."""
+    draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """The replica hands its sessions over and takes no new ones: set by itself when it stops, or
+    by an operator (`chatkv replicas drain`); read by its keeper with each heartbeat."""
 
 
 class SessionOwnerRow(Base):

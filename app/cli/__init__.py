@@ -33,7 +33,7 @@ from app.cli.groups import OneLineErrorsGroup
 from app.cli.home import Target
 from app.cli.keys import keys_app
 from app.cli.ops import gc_command, stats_command
-from app.cli.replicas import replicas_command
+from app.cli.replicas import replicas_app
 from app.cli.serve import serve_command
 from app.cli.sessions import sessions_app
 from app.cli.tenants import tenants_app
@@ -51,7 +51,7 @@ app.command("serve")(serve_command)
 app.command("chat")(chat_command)
 app.command("stats")(stats_command)
 app.command("gc")(gc_command)
-app.command("replicas")(replicas_command)
+app.add_typer(replicas_app, name="replicas")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(keys_app, name="keys")

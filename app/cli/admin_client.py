@@ -119,6 +119,9 @@ class AdminClient:
     def replicas(self) -> Json:
         return self._call("GET", "/replicas")
 
+    def drain_replica(self, replica_id: str) -> Json:
+        return self._call("POST", f"/replicas/{_segment(replica_id)}/drain")
+
     def rotate_master_key(self, new_key: str | None = None) -> Json:
         return self._call("POST", "/keys/rotate-master", json={"new_key": new_key})
 

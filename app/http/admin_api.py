@@ -15,6 +15,7 @@ for a missing one; 503 with `Retry-After` while the database cannot be reached).
     GET    /admin/sessions/{id}/export?tenant=    POST /admin/sessions/{id}/evict?tenant=&to=host|disk|drop
     POST   /admin/sessions/{id}/restore?tenant=   (pre-warm onto the device)
     GET    /admin/stats     POST /admin/keys/rotate-master {"new_key": ...}     POST /admin/gc?dry_run=
+    GET    /admin/replicas  POST /admin/replicas/{id}/drain
 """
 
 from __future__ import annotations
@@ -175,6 +176,10 @@ def admin_router(manager: SessionManager, token: str) -> APIRouter:
     @router.get("/replicas")
     def replicas() -> Json:
         return ops.replicas()
+
+    @router.post("/replicas/{replica_id}/drain")
+    def drain_replica(replica_id: str) -> Json:
+        return ops.drain_replica(replica_id)
 
     @router.post("/keys/rotate-master")
     def rotate_master_key(body: MasterKeyRotation) -> Json:

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from app.http.api_errors import DATABASE_ERRORS, ApiError, error_response, response_for, unauthorized
 from app.http.body_limits import require_utf8_body
+from app.http.forwarding import ForwardedResponse
 from app.http.sse import EventStream
 from sessions import ChatKVError, SessionManager, Tenant, TenantId, TenantNotFound
 
@@ -132,7 +133,7 @@ def api_route_class(manager: SessionManager, limiter: TenantLimiter) -> type[API
                 except BaseException:
                     release()
                     raise
-                if isinstance(response, EventStream):
+                if isinstance(response, EventStream | ForwardedResponse):  # streamed: released at the end
                     response.call_on_close(release)
                 else:
                     release()

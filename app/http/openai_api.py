@@ -55,6 +55,7 @@ from app.http.api_turns import (
     run_watching_disconnect,
     usage,
 )
+from app.http.forwarding import Forwarder
 from app.http.sse import DONE, EventStream, event
 from sessions import (
     MAX_MESSAGE_CHARS,
@@ -62,6 +63,7 @@ from sessions import (
     ChatKVError,
     InvalidInput,
     Reply,
+    Route,
     SessionManager,
     Tenant,
     check_text,
@@ -176,8 +178,9 @@ class Conversation:
     message: str
 
 
-def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRouter:
-    """`/models` and `/chat/completions`, to be mounted under `/v1`."""
+def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
+    """`/models` and `/chat/completions`, to be mounted under `/v1`; turns of sessions other
+    replicas own go to them through `forwarder`."""
     # Over 60 lines: the routes are closures over `manager`, one short function each.
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["OpenAI-compatible"])
     started = int(time.time())
@@ -235,12 +238,30 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRo
         """Create a chat completion, continuing a server-side session (explicit or found by history).
         A client that disconnects before the answer is complete cancels the turn; nothing is stored."""
         raw = await request.body()
+        forwarded = await forwarder.answer(
+            request, raw, lambda hop: _route(manager, body, tenant, x_session_id, forwarded=hop)
+        )
+        if forwarded is not None:  # the session's owner answered
+            return forwarded
         cancel = CancelToken()
         return await run_watching_disconnect(
             request, cancel, lambda: _complete(manager, body, raw, tenant, x_session_id, idempotency_key, cancel)
         )
 
     return router
+
+
+def _route(
+    manager: SessionManager, body: ChatCompletionRequest, tenant: Tenant, x_session_id: str | None, *, forwarded: bool
+) -> Route:
+    """Where the turn runs among replicas: its named session's route, or that of the session its
+    posted history continues or forks (`SessionManager.route_turn`, `route_history`)."""
+    _check_model(manager, body.model)
+    conversation = parse_messages(body.messages)
+    session_id = _session_id(x_session_id, body.session_id)
+    if session_id is not None:
+        return manager.route_turn(tenant, session_id, forwarded=forwarded)
+    return manager.route_history(tenant, conversation.system_prompt, conversation.history, forwarded=forwarded)
 
 
 def _complete(

@@ -14,11 +14,12 @@ import re
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
 
@@ -78,10 +79,18 @@ def build_app(
 
     from app.http.admin_api import admin_router
     from app.http.api_auth import TenantLimiter, api_route_class
+    from app.http.forwarding import Forwarder
     from app.http.openai_api import openai_router
     from app.http.prefetch import Prefetcher
     from app.http.session_api import session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
+
+    forwarder = Forwarder(manager)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await forwarder.aclose()
 
     app = FastAPI(
         title="chatkv",
@@ -89,14 +98,15 @@ def build_app(
         "chatkv's sessions, authenticated with a tenant's API key as a bearer token.",
         docs_url=None,
         redoc_url=None,
+        lifespan=lifespan,
     )
     app.include_router(admin_router(manager, token), prefix="/admin")
     limiter = TenantLimiter(manager.settings.max_concurrent_requests_per_tenant)
     route_class = api_route_class(manager, limiter)
     prefetcher = Prefetcher(manager)
     app.state.prefetcher = prefetcher
-    app.include_router(openai_router(manager, route_class), prefix="/v1")
-    app.include_router(session_router(manager, route_class, prefetcher), prefix="/v1")
+    app.include_router(openai_router(manager, route_class, forwarder), prefix="/v1")
+    app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui
 
@@ -105,8 +115,12 @@ def build_app(
         return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok", "model": manager.model_name}
+    def healthz() -> JSONResponse:
+        """200 while serving; 503 `draining` while this replica hands its sessions over (a load
+        balancer's health check then stops sending it requests)."""
+        draining = manager.draining
+        body = {"status": "draining" if draining else "ok", "model": manager.model_name}
+        return JSONResponse(body, status_code=503 if draining else 200)
 
     app.add_middleware(BodyLimitMiddleware, limits=body_limits)
     # Gradio's run history would keep what was typed (API keys, messages) in the browser's storage,
@@ -176,7 +190,7 @@ def serve(
                         "machine reaches: set CHATKV_REPLICA_URL",
                         advertised,
                     )
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+            server = _draining_server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning"), manager)
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shut down gracefully
                 server.run(sockets=sockets)
             if not server.started:
@@ -196,6 +210,34 @@ def serve(
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _draining_server_class() -> type:
+    """`uvicorn.Server` that starts draining the replica (`SessionManager.drain`) on the first
+    SIGTERM or Ctrl-C, while uvicorn waits for the requests in flight: other replicas hand its
+    sessions over rather than forward turns to it, and each session is published and released as
+    soon as its turn ends, not when the process exits (docs/replicas.md, "Drain")."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, manager: SessionManager) -> None:
+            super().__init__(config)
+            self._manager = manager
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:  # the first signal; a signal handler must not block: a thread
+                threading.Thread(target=self._drain, name="chatkv-drain", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+        def _drain(self) -> None:
+            try:
+                self._manager.drain()
+            # A drain that fails (the database is down) leaves the stop as it was before drains:
+            # sessions are still published and released when the manager closes.
+            except Exception:
+                log.exception("could not start draining; the sessions are handed over at exit")
+
+    return DrainingServer
 
 
 def advertised_url(host: str, port: int) -> str:

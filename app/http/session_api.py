@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Generator
+from collections.abc import Awaitable, Generator
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +44,7 @@ from app.http.api_turns import (
     start_turn,
     usage,
 )
+from app.http.forwarding import Forwarder
 from app.http.openai_api import SESSION_HEADER, AssistantMessage
 from app.http.prefetch import Prefetcher
 from app.http.sse import DONE, EventStream, event
@@ -180,8 +182,11 @@ class PrefetchStarted(BaseModel):
     status: Literal["started"] = "started"
 
 
-def session_router(manager: SessionManager, route_class: type[APIRoute], prefetcher: Prefetcher) -> APIRouter:
-    """The `/sessions` routes, to be mounted under `/v1`."""
+def session_router(
+    manager: SessionManager, route_class: type[APIRoute], prefetcher: Prefetcher, forwarder: Forwarder
+) -> APIRouter:
+    """The `/sessions` routes, to be mounted under `/v1`. A turn, fork or prefetch of a session
+    another replica owns goes to that replica through `forwarder` (`app.http.forwarding`)."""
     # Over 60 lines: the routes are closures over `manager`, one short function each.
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Sessions"])
 
@@ -191,11 +196,22 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
         session_id = manager.open_session(tenant, system_prompt=body.system_prompt, title=body.title, name=body.name)
         return _session(manager.session_info(tenant, session_id))
 
+    def owner_answer(request: Request, raw: bytes, tenant: Tenant, session_id: str) -> Awaitable[Response | None]:
+        """The answer of the replica owning the session, if the request is forwarded there."""
+        return forwarder.answer(request, raw, lambda hop: manager.route_turn(tenant, session_id, forwarded=hop))
+
     @router.post("/sessions/{session_id}/fork", status_code=status.HTTP_201_CREATED, response_model=SessionOut)
-    def fork_session(session_id: str, body: ForkCreate, tenant: TenantDep) -> SessionOut:
+    async def fork_session(request: Request, session_id: str, body: ForkCreate, tenant: TenantDep) -> Any:
         """A new session holding the session's first `at_turn` turns, its cache warm from the
         session's KV (from whichever tier holds it); the session itself is untouched."""
-        return _session(manager.session_info(tenant, manager.fork(tenant, session_id, body.at_turn)))
+        forwarded = await owner_answer(request, await request.body(), tenant, session_id)
+        if forwarded is not None:  # made on the owner, from the KV where it is
+            return forwarded
+
+        def fork() -> SessionOut:
+            return _session(manager.session_info(tenant, manager.fork(tenant, session_id, body.at_turn)))
+
+        return await run_in_threadpool(fork)
 
     @router.get("/sessions", response_model=SessionList)
     def list_sessions(tenant: TenantDep) -> SessionList:
@@ -237,6 +253,9 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
         """Send a user message; the reply with its usage and stats (or SSE events with `stream`). A
         client that disconnects before the reply is complete cancels the turn; nothing is stored."""
         raw = await request.body()
+        forwarded = await owner_answer(request, raw, tenant, session_id)
+        if forwarded is not None:  # the session's owner answered
+            return forwarded
         cancel = CancelToken()
         return await run_watching_disconnect(
             request, cancel, lambda: _send(manager, session_id, body, raw, tenant, idempotency_key, cancel)
@@ -245,11 +264,19 @@ def session_router(manager: SessionManager, route_class: type[APIRoute], prefetc
     @router.post(
         "/sessions/{session_id}/prefetch", status_code=status.HTTP_202_ACCEPTED, response_model=PrefetchStarted
     )
-    def prefetch(session_id: str, tenant: TenantDep) -> PrefetchStarted:
-        """Start restoring the session's cache to the device, ahead of its next message."""
-        info = manager.session_info(tenant, session_id)
-        prefetcher.start(tenant, info.id)
-        return PrefetchStarted(id=info.id)
+    async def prefetch(request: Request, session_id: str, tenant: TenantDep) -> Any:
+        """Start restoring the session's cache to the device, ahead of its next message (on the
+        replica that owns it: that is where the next message will run)."""
+        forwarded = await owner_answer(request, await request.body(), tenant, session_id)
+        if forwarded is not None:
+            return forwarded
+
+        def start() -> PrefetchStarted:
+            info = manager.session_info(tenant, session_id)
+            prefetcher.start(tenant, info.id)
+            return PrefetchStarted(id=info.id)
+
+        return await run_in_threadpool(start)
 
     return router
 

@@ -11,6 +11,10 @@ the keeper, does the rest:
     every `poll_s`        hand over the idle sessions another replica waits for, and those idle
                           for `idle_s`: publish the cache to the shared tier, then release
 
+A draining replica (`drain()`, or the drain mark an operator set in its `replicas` row, read with
+each heartbeat) hands over every session as soon as no turn uses it, and its heartbeat tells the
+others so (they hand sessions over rather than forward turns to it: `sessions.replicas.routing`).
+
 A replica taking a session that another replica held since it last did drops its own local
 copies first (`invalidate`): the shared tier, or the transcript, has the newer state. A turn's
 commit is fenced by the lease's epoch (`MetadataStore.record_turn(owner=...)`), so a replica that
@@ -78,6 +82,7 @@ class SessionOwnership:
         publish: puts a session's current cache into the shared tier (before a hand-over).
         invalidate: drops this replica's local copies of a session (another replica moved it on).
         cache_bytes: bytes of KV cache this replica holds (reported with each heartbeat).
+        queued_turns: turns waiting in this replica's engine queue (reported with each heartbeat).
 
     Raises:
         ValueError: for non-positive durations.
@@ -95,6 +100,7 @@ class SessionOwnership:
         publish: Callable[[CacheKey], bool],
         invalidate: Callable[[CacheKey], None],
         cache_bytes: Callable[[], int],
+        queued_turns: Callable[[], int] = lambda: 0,
         poll_s: float = 0.1,
     ) -> None:
         for name, value in (("lease_s", lease_s), ("idle_s", idle_s), ("poll_s", poll_s)):
@@ -106,6 +112,8 @@ class SessionOwnership:
         self.replica_id, self.url = replica_id, url
         self.lease_s, self.wait_s, self.idle_s, self.poll_s = lease_s, wait_s, idle_s, poll_s
         self._publish, self._invalidate, self._cache_bytes = publish, invalidate, cache_bytes
+        self._queued_turns = queued_turns
+        self._draining = False
         self.incarnation = secrets.token_hex(8)
         """Random per process (and per instance): the leases it takes carry it."""
         self._retired = False
@@ -168,6 +176,23 @@ class SessionOwnership:
             now_unix_s=time.time(),
             live_within_s=self.lease_s,
         )
+
+    @property
+    def draining(self) -> bool:
+        """Whether this replica hands its sessions over (`drain`, or an operator's drain mark)."""
+        return self._draining
+
+    def drain(self) -> None:
+        """Start draining: mark this replica as draining in the registry (other replicas then hand
+        its sessions over instead of forwarding turns to it) and hand every session over as soon as
+        no turn uses it (the keeper's next rounds). Turns in flight finish and are stored."""
+        self._start_draining("asked to stop")
+        self.store.set_draining(replica_id=self.replica_id)
+
+    def _start_draining(self, why: str) -> None:
+        if not self._draining:
+            self._draining = True
+            log.info("replica %s drains (%s): its sessions are handed over as their turns end", self.replica_id, why)
 
     def close(self) -> None:
         """Stop the keeper, publish every held session's cache and give the leases up, and
@@ -321,7 +346,7 @@ class SessionOwnership:
                 for key, held in self._held.items()
                 if not held.in_use
                 and not held.releasing
-                and (key.name in wanted or now - held.last_used_monotonic >= self.idle_s)
+                and (key.name in wanted or self._draining or now - held.last_used_monotonic >= self.idle_s)
             ]
             for _, held, _ in due:
                 held.releasing = True
@@ -343,8 +368,11 @@ class SessionOwnership:
             incarnation=self.incarnation,
             cache_bytes=self._cache_bytes(),
             now_unix_s=time.time(),
+            queued_turns=self._queued_turns(),
         )
-        if beat == "missing":  # an operator removed the row: register again
+        if beat == "draining":
+            self._start_draining("marked draining in the registry")
+        elif beat == "missing":  # an operator removed the row: register again
             self._register()
         elif beat == "taken":
             # Only possible when this process stalled for `lease_s` and another started under its

@@ -75,8 +75,10 @@ def start_ownership(
     replica_id: str,
     tiers: TierManager,
     invalidate: Callable[[CacheKey], None],
+    queued_turns: Callable[[], int],
 ) -> SessionOwnership:
-    """Register this replica and start keeping its leases (see `sessions.replicas.ownership`)."""
+    """Register this replica and start keeping its leases (see `sessions.replicas.ownership`);
+    `queued_turns` counts the turns waiting in its engine queue (reported with each heartbeat)."""
 
     def cache_bytes() -> int:
         return sum(tiers.usage().bytes.values())
@@ -91,6 +93,7 @@ def start_ownership(
         publish=tiers.publish,
         invalidate=invalidate,
         cache_bytes=cache_bytes,
+        queued_turns=queued_turns,
     )
     try:
         ownership.start()

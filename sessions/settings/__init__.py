@@ -12,7 +12,7 @@ Torch-free: the admin CLI imports it to talk to a server.
 from __future__ import annotations
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeName, PersistMode, Precision, WindowPolicyName
+from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import MAX_DURATION_S, env_variable, parse_bytes, parse_duration_s
 from sessions.settings.settings import DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home
@@ -27,6 +27,7 @@ __all__ = [
     "Precision",
     "RedisConfig",
     "ReplicaConfig",
+    "RoutingMode",
     "SchedulerConfig",
     "Settings",
     "TierConfig",

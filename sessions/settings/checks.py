@@ -14,6 +14,7 @@ Precision = Literal["exact", "int8", "int4"]
 PersistMode = Literal["on_evict", "write_back"]
 WindowPolicyName = Literal["turns", "attention"]
 DtypeName = Literal["float32", "bfloat16", "float16"]
+RoutingMode = Literal["forward", "handover"]
 
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
@@ -48,6 +49,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ownership_lease_s": (lambda v: 0.5 <= v <= 3600, "in [0.5, 3600] seconds"),
     "ownership_wait_s": (lambda v: 0 <= v <= 3600, "in [0, 3600] seconds"),
     "ownership_idle_s": (lambda v: 0.1 <= v <= MAX_DURATION_S, "in [0.1 s, 100 years]"),
+    "routing": (lambda v: v in ("forward", "handover"), "'forward' or 'handover'"),
+    "forward_queue_limit": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
 }
 """What one field's value must be on its own (combinations are checked by the object holding both)."""
 

@@ -16,6 +16,7 @@ from sessions.settings.checks import (
     DtypeName,
     PersistMode,
     Precision,
+    RoutingMode,
     WindowPolicyName,
     check_field,
     check_set,
@@ -185,6 +186,9 @@ class ReplicaConfig:
         ownership_lease_s: a session's lease, renewed every third of it while the replica lives.
         ownership_wait_s: how long a turn waits for another replica to hand its session over.
         ownership_idle_s: a session idle this long is published to Redis and its lease given up.
+        routing: `forward` a turn to its session's live owner, or `handover` (the owner releases it).
+        forward_queue_limit: an owner with more turns waiting in its engine queue is not forwarded
+            to (the session is handed over).
 
     Raises:
         ValueError: for a malformed id or URL, or a duration out of its range, naming the setting.
@@ -196,6 +200,8 @@ class ReplicaConfig:
     ownership_lease_s: float
     ownership_wait_s: float
     ownership_idle_s: float
+    routing: RoutingMode
+    forward_queue_limit: int
 
     def __post_init__(self) -> None:
         _check_each(self, required=("replica_id_file",))

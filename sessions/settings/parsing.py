@@ -38,6 +38,7 @@ _INTEGER_FIELDS = frozenset(
         "max_running_per_tenant",
         "max_batch_requests",
         "max_concurrent_requests_per_tenant",
+        "forward_queue_limit",
     }
 )
 _BOOLEAN_FIELDS = frozenset(

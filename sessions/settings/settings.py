@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import platformdirs
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeName, PersistMode, Precision, WindowPolicyName, check_field
+from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName, check_field
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import env_variable, parse_field
 
@@ -216,6 +216,14 @@ class Settings:
     (HTTP 409 with the owner's URL)."""
     ownership_idle_s: float = 30.0
     """A session idle this long is published to Redis and its lease given up."""
+    routing: RoutingMode = "forward"
+    """A turn for a session another live replica owns: `forward` it to the owner and stream its
+    answer back (the KV stays where it is), or `handover` (the owner publishes the session to Redis
+    and releases it, this replica restores it). Forwarding hands over too when the owner is
+    draining, silent or over `forward_queue_limit`, or cannot be reached (docs/replicas.md)."""
+    forward_queue_limit: int = 32
+    """Turns waiting in an owner's engine queue (its last heartbeat) above which a turn is not
+    forwarded to it: the session is handed over instead."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "home", Path(self.home).expanduser())
@@ -325,6 +333,8 @@ class Settings:
             ownership_lease_s=self.ownership_lease_s,
             ownership_wait_s=self.ownership_wait_s,
             ownership_idle_s=self.ownership_idle_s,
+            routing=self.routing,
+            forward_queue_limit=self.forward_queue_limit,
         )
 
     # -- derived values --------------------------------------------------------------------------

@@ -61,7 +61,10 @@ def module_redis_prefix(redis_url: str) -> Iterator[str]:
 
 
 def replica_settings(database_url: str, redis_url: str, prefix: str, **more: str) -> dict[str, str]:
+    """Replicas that hand sessions over (the tests of forwarding to the owner, the default, are
+    `tests/app/test_replica_forwarding.py`)."""
     return {
+        "routing": "handover",
         "database_url": database_url,
         "redis_url": redis_url,
         "redis_prefix": prefix,

@@ -12,6 +12,7 @@ from sessions.engine import Engine
 from sessions.errors import InvalidInput, SessionNotFound
 from sessions.manager import SessionManager
 from sessions.records import Reply
+from sessions.replicas.routing import Route
 from tests.sessions.offload_helpers import key_of, one_torch_thread, open_manager, reference_reply
 
 SYSTEM = "You are terse."
@@ -84,6 +85,10 @@ def test_a_posted_history_continues_forks_or_starts_anew(tiny_manager: SessionMa
         assert isinstance(items[-1], Reply)
         return items[-1], turn
 
+    # Chosen ahead (replicas forward the request to that session's owner); a single process runs it here.
+    assert manager.route_history(tenant, SYSTEM, history) == Route("local", parent)
+    assert manager.route_history(tenant, SYSTEM, history[:2]) == Route("local", parent)  # the parent to fork
+    assert manager.route_history(tenant, SYSTEM, [("Unrelated?", "Yes.")]) == Route("local", None)
     _, turn = post(history, MESSAGES[3])  # continue
     assert (turn.session_id, turn.action) == (parent, "continue")
     regenerate, turn = post(history[:2], MESSAGES[2])  # regenerate the third reply

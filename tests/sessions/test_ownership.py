@@ -47,6 +47,7 @@ class Replica:
         self.invalidated: list[CacheKey] = []
         self.publish_failures = 0
         self.publish_gate: threading.Event | None = None
+        self.queued_turns = 0
         self.ownership = SessionOwnership(
             ReplicaStore(engine),
             replica_id=replica_id,
@@ -57,6 +58,7 @@ class Replica:
             publish=self.publish,
             invalidate=self.invalidated.append,
             cache_bytes=lambda: 1234,
+            queued_turns=lambda: self.queued_turns,
             poll_s=0.02,
         )
         if start:  # with the keeper thread, as a server runs it
@@ -152,6 +154,24 @@ def test_idle_sessions_are_published_then_released(engine: Engine) -> None:
     assert a.published == [KEY] and not a.ownership.owns(KEY)
     owner = a.ownership.store.owner(session_id="s_1")
     assert owner is None or owner.replica_id is None
+
+
+def test_a_replica_marked_draining_hands_every_session_over_once_its_turn_ends(engine: Engine) -> None:
+    add_session(MetadataStore(engine), "tn_a", "s_2")
+    other = CacheKey("tn_a", "s_2")
+    a = Replica(engine, "r_a")
+    a.queued_turns = 3
+    with a.ownership.hold(KEY):
+        pass
+    with a.ownership.hold(other):
+        assert a.ownership.store.set_draining(replica_id="r_a")  # `chatkv replicas drain r_a`
+        a.ownership.tick()  # the heartbeat reads the mark; the idle session goes at once
+        assert a.ownership.draining
+        assert a.published == [KEY] and not a.ownership.owns(KEY) and a.ownership.owns(other)
+    a.ownership.tick()  # the turn ended: its session goes too, without waiting for idle_s
+    assert a.published == [KEY, other] and not a.ownership.owns(other)
+    (listed,) = a.ownership.store.list_replicas(now_unix_s=time.time())
+    assert (listed.id, listed.draining, listed.queued_turns) == ("r_a", True, 3)
 
 
 def test_a_lease_lost_to_expiry_drops_the_local_copies(engine: Engine) -> None:

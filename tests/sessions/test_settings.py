@@ -65,6 +65,8 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "ownership_lease_s": ("20", 20.0),
     "ownership_wait_s": ("5", 5.0),
     "ownership_idle_s": ("2m", 120.0),
+    "routing": ("handover", "handover"),
+    "forward_queue_limit": ("8", 8),
 }
 
 
@@ -316,11 +318,15 @@ def test_the_replica_config_carries_the_replica_and_ownership_fields(monkeypatch
         ownership_lease_s=20.0,
         ownership_wait_s=5.0,
         ownership_idle_s=120.0,
+        routing="handover",
+        forward_queue_limit=8,
     )
     with pytest.raises(ValueError, match=r"^replica_id must be 1-32 of A-Z a-z 0-9 _ . -, got 'a/b'$"):
         replace(config, replica_id="a/b")
     with pytest.raises(ValueError, match=r"^ownership_lease_s must be in \[0.5, 3600\] seconds, got 0.1$"):
         replace(config, ownership_lease_s=0.1)
+    with pytest.raises(ValueError, match=r"^routing must be 'forward' or 'handover', got 'proxy'$"):
+        replace(config, routing="proxy")  # type: ignore[arg-type]
 
 
 def test_the_default_settings_build_every_sub_config(tmp_path: Path) -> None:

@@ -146,6 +146,23 @@ def test_registry_lists_replicas_with_sessions_owned_and_unregister_frees_leases
     assert acquire(replicas, "r_b", T0 + 5) == took(2)
 
 
+def test_heartbeats_carry_the_queue_and_a_drain_mark_until_a_new_process_takes_the_id(replicas: ReplicaStore) -> None:
+    acquire(replicas, "r_a", T0)
+    beat = partial(replicas.heartbeat, replica_id="r_a", incarnation="r_a-1", cache_bytes=0)
+    assert beat(now_unix_s=T0 + 1, queued_turns=7) == "ok"
+    owner = replicas.owner(session_id="s_1")
+    assert owner is not None
+    assert (owner.owner_heartbeat_unix_s, owner.owner_queued_turns, owner.owner_draining) == (T0 + 1, 7, False)
+    assert replicas.set_draining(replica_id="r_a") and not replicas.set_draining(replica_id="r_nope")
+    assert beat(now_unix_s=T0 + 2) == "draining"
+    owner = replicas.owner(session_id="s_1")
+    assert owner is not None and (owner.owner_queued_turns, owner.owner_draining) == (0, True)
+    listed = {r.id: (r.draining, r.queued_turns) for r in replicas.list_replicas(now_unix_s=T0 + 3)}
+    assert listed == {"r_a": (True, 0), "r_b": (False, 0)}
+    register(replicas, "r_a", T0 + 2 + LEASE_S + 1, incarnation_="r_a-2")  # a restart: not draining
+    assert replicas.heartbeat(replica_id="r_a", incarnation="r_a-2", cache_bytes=0, now_unix_s=T0 + 14) == "ok"
+
+
 def test_a_missing_or_other_tenants_session_cannot_be_claimed(replicas: ReplicaStore, metadata: MetadataStore) -> None:
     add_session(metadata, "tn_b", "s_b")
     with pytest.raises(SessionGone):
