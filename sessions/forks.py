@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from cache.ids import SessionId, TenantId
 from cache.session_cache import SessionCache
-from cache.tier_manager import TierManager
+from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
 from sessions.errors import InvalidInput, SessionNotFound
 from sessions.metrics import Metrics
@@ -92,6 +92,9 @@ class Forks:
         record = self._registry.session_record(tenant_id, parent)
         if isinstance(turns, bool) or not isinstance(turns, int) or turns < 0:
             raise InvalidInput(f"a fork keeps 0 or more turns, got {turns!r}")
+        if turns > record.message_count // 2:
+            # Checked before the database sees it: a huge count would overflow its integers.
+            raise InvalidInput(f"no turn {turns}: session {parent} has {record.message_count // 2} turns")
         session_id = SessionId(SESSION_ID_PREFIX + secrets.token_hex(12))
         try:
             stream_end = self._history.fork(
@@ -124,8 +127,14 @@ class Forks:
         if prefix is None:
             return None
         key = CacheKey.for_session(tenant_id, fork)
-        with self._replicas.hold(key), self._tiers.lease(key) as lease:
-            lease.commit(prefix)
+        try:
+            with self._replicas.hold(key), self._tiers.lease(key) as lease:
+                lease.commit(prefix)
+        except LeaseHeld:
+            # The fork is new and not yet found by lookups (`HistoryStore.longest_prefix`), so only
+            # a client that guessed its id can hold it: that client's turn rebuilds it instead.
+            log.info("fork %s is busy before its cache was placed; it rebuilds", fork)
+            return None
         return tier.value
 
     def _of_transcript(self, tenant_id: TenantId, parent: SessionId, cache: SessionCache) -> bool:

@@ -4,9 +4,13 @@ backends all ask here).
 
     posted    system S, u1 a1, ..., u(n-1) a(n-1), and the new message u(n)
     lookup    the tenant's sessions holding the longest prefix of (S, u1 a1, ...) (one query)
-    continue  a session whose whole history is all n-1 turns, idle: the turn runs on it
-    fork      a session holding all n-1 turns and more (regenerate, edit, retry), or busy: a fork
-              of it after turn n-1 (`sessions.forks`), warm from its KV, runs the turn
+    continue  an implicit session (one made for a stateless client) whose whole history is all
+              n-1 turns, idle: the turn runs on it
+    fork      a session holding all n-1 turns and more (regenerate, edit, retry), busy, or made by
+              a client that names its sessions (explicit, named, a fork it asked for: never
+              continued by another request, which would add a turn to that client's
+              conversation): a fork of it after turn n-1 (`sessions.forks`), warm from its KV,
+              runs the turn
     new       nothing holds them all: a new session holding the posted history (its first turn
               prefills it; the base layer still comes from the tenant's pool)
 
@@ -102,7 +106,7 @@ class HistoryLookup:
         def run(turn: HistoryTurn) -> TurnStream:
             matches = self._matches(tenant_id, system_prompt, history)
             for match in matches:
-                if not match.whole or match.turns != len(history):
+                if not _continues(match, history):
                     continue
                 stream = start_turn(SessionId(match.session_id), len(history))
                 try:
@@ -126,7 +130,7 @@ class HistoryLookup:
         (or, if it is busy there by then, forks it)."""
         matches = self._matches(tenant_id, system_prompt, history)
         for match in matches:
-            if match.whole and match.turns == len(history):
+            if _continues(match, history):
                 return SessionId(match.session_id)
         parent = self._parent(tenant_id, history, matches)
         return SessionId(parent.session_id) if parent is not None else None
@@ -180,3 +184,9 @@ class HistoryLookup:
         tier = self._tiers.placement(CacheKey.for_session(tenant_id, SessionId(match.session_id)))
         rank = TIER_RANK.get(tier, len(TIER_RANK)) if tier is not None else len(TIER_RANK)
         return rank, -match.last_active_at.timestamp()
+
+
+def _continues(match: PrefixMatch, history: Sequence[tuple[str, str]]) -> bool:
+    """Whether a posted history's turn may run on the matched session itself: an implicit session
+    whose whole history it is."""
+    return match.origin == "implicit" and match.whole and match.turns == len(history)

@@ -41,6 +41,8 @@ class PrefixMatch:
         token_count: stream length after the last of those turns (`None`: not fed here).
         whole: the prefix is the session's whole history (continue it rather than fork it).
         last_active_at: for choosing among sessions holding the same prefix.
+        origin: how the session was made (`explicit`, `named`, `implicit`, `fork`): only an
+            implicit session, made for a stateless client, is continued by a posted history.
     """
 
     session_id: str
@@ -48,6 +50,7 @@ class PrefixMatch:
     token_count: int | None
     whole: bool
     last_active_at: datetime
+    origin: str
 
 
 @dataclass(frozen=True)
@@ -63,20 +66,33 @@ class HistoryStore(Repository):
     def longest_prefix(self, *, tenant_id: str, digests: Sequence[str]) -> list[PrefixMatch]:
         """The tenant's sessions holding the longest prefix of the history whose turn digests are
         `digests` (`[d1, ..., dn]`), most recently active first; empty when none holds its first
-        turn. One query on the index `(tenant_id, history_digest)`."""
+        turn. One query on the index `(tenant_id, history_digest)`.
+
+        A fork that has not run a turn of its own yet is left out: it holds nothing its parent
+        does not, and the request that made it is about to run its first turn on it (found here,
+        a concurrent request would take it over and the maker would find it busy)."""
         if not digests:
             return []
+        whole = SessionRow.history_digest.is_not(None) & (SessionRow.history_digest == TurnDigestRow.history_digest)
+        unused_fork = (
+            SessionRow.parent_id.is_not(None) & whole & (TurnDigestRow.turn_index == SessionRow.fork_turns - 1)
+        )
         with self._unit() as db:
             rows = db.execute(
                 select(
                     TurnDigestRow.session_id,
                     TurnDigestRow.turn_index,
                     TurnDigestRow.token_count,
-                    SessionRow.history_digest == TurnDigestRow.history_digest,
+                    whole,
                     SessionRow.last_active_at,
+                    SessionRow.origin,
                 )
                 .join(SessionRow, SessionRow.id == TurnDigestRow.session_id)
-                .where(TurnDigestRow.tenant_id == tenant_id, TurnDigestRow.history_digest.in_(list(digests)))
+                .where(
+                    TurnDigestRow.tenant_id == tenant_id,
+                    TurnDigestRow.history_digest.in_(list(digests)),
+                    ~unused_fork,
+                )
                 .order_by(TurnDigestRow.turn_index.desc(), SessionRow.last_active_at.desc())
                 .limit(MAX_PREFIX_MATCHES)
             ).all()
@@ -84,8 +100,8 @@ class HistoryStore(Repository):
             return []
         longest = rows[0][1]
         return [
-            PrefixMatch(session_id, index + 1, token_count, bool(whole), active)
-            for session_id, index, token_count, whole, active in rows
+            PrefixMatch(session_id, index + 1, token_count, bool(is_whole), active, origin)
+            for session_id, index, token_count, is_whole, active, origin in rows
             if index == longest and digests[index] is not None
         ]
 

@@ -119,13 +119,19 @@ async def require_utf8_body(request: Request) -> None:
     is read here, within its path's limit; the route's own parsing reuses it.
 
     Raises:
-        HTTPException: 400 for a body that does not decode as UTF-8 (413 over the limit).
+        HTTPException: 400 for a body that does not decode as UTF-8, or holds a NUL byte (413 over
+            the limit).
     """
     body = await request.body()
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HTTPException(400, f"the body is not valid UTF-8 (byte {exc.start}); send JSON as UTF-8") from None
+    # JSON escapes every control character, so a raw NUL is never JSON; it is how UTF-16 and UTF-32
+    # text without a byte-order mark looks when read as UTF-8, which the JSON parser would then guess.
+    nul = body.find(b"\x00")
+    if nul >= 0:
+        raise HTTPException(400, f"the body is not valid UTF-8 JSON (a NUL at byte {nul}); send JSON as UTF-8")
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -481,6 +481,16 @@ BAD_REQUESTS: list[tuple[str, Any, int, str, str]] = [
         "invalid_request",
         "not valid UTF-8",
     ),
+    *(
+        (
+            f"{encoding}-json-without-a-byte-order-mark",
+            '{"model": "x", "messages": [{"role": "user", "content": "hi"}]}'.encode(encoding),
+            400,
+            "invalid_request",
+            "not valid UTF-8 JSON (a NUL",
+        )
+        for encoding in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+    ),
     ("messages-not-a-list", {"messages": "hi"}, 400, "invalid_request", "messages"),
     ("no-messages", {"messages": []}, 400, "invalid_request", "messages"),
     ("content-a-number", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request", "content"),
@@ -692,7 +702,7 @@ def test_a_fork_is_asked_for_by_session_and_turn(server: Server) -> None:
     assert (fork["parent_id"], fork["fork_turns"], fork["message_count"], fork["origin"]) == (session_id, 1, 2, "fork")
     reply = server.post(f"/sessions/{fork['id']}/messages", {"content": "Other", "max_tokens": 3}).json()
     assert reply["stats"]["restored_from"] == "device" and reply["stats"]["reused_tokens"] > 0
-    for body in ({"at_turn": 3}, {"at_turn": -1}, {"at_turn": "1"}, {}):
+    for body in ({"at_turn": 3}, {"at_turn": -1}, {"at_turn": "1"}, {"at_turn": 2**62}, {"at_turn": 2**70}, {}):
         _error(server.post(f"/sessions/{session_id}/fork", body), 400, "invalid_request")
     _error(server.post(f"/sessions/{session_id}/fork", {"at_turn": 1}, tenant="beta"), 404, "session_not_found")
 

@@ -10,6 +10,7 @@ import pytest
 
 from sessions.engine import Engine
 from sessions.errors import InvalidInput, SessionNotFound
+from sessions.history_lookup import HistoryTurn
 from sessions.manager import SessionManager
 from sessions.records import Reply
 from sessions.replicas.routing import Route
@@ -71,34 +72,101 @@ def test_a_fork_reads_its_parent_where_it_is(tiny_manager: SessionManager, tier:
     assert forks == {("rebuilt" if tier == "drop" else tier): 1.0}
 
 
+def stateless_conversation(manager: SessionManager, tenant: str, turns: int) -> str:
+    """A conversation as a stateless client has it: each turn posts the whole history so far."""
+    history: list[tuple[str, str]] = []
+    sid = None
+    for message in MESSAGES[:turns]:
+        turn = manager.continue_history(tenant, SYSTEM, history, message, max_new_tokens=TOKENS)
+        reply = list(turn)[-1]
+        assert isinstance(reply, Reply)
+        history.append((message, reply.text))
+        assert sid is None or turn.session_id == sid
+        sid = turn.session_id
+    assert sid is not None
+    return sid
+
+
+def post(manager: SessionManager, tenant: str, turns: list[tuple[str, str]], message: str) -> tuple[Reply, HistoryTurn]:
+    turn = manager.continue_history(tenant, SYSTEM, turns, message, max_new_tokens=TOKENS)
+    items = list(turn)
+    assert isinstance(items[-1], Reply)
+    return items[-1], turn
+
+
 def test_a_posted_history_continues_forks_or_starts_anew(tiny_manager: SessionManager) -> None:
     """The stateless decision: the whole history continues its session; a history that a session
     holds and goes past (regenerate, edit, retry) forks it; another starts a new session."""
     manager = tiny_manager
     tenant = manager.create_tenant("acme").id
-    parent = conversation(manager, tenant, 3)
+    parent = stateless_conversation(manager, tenant, 3)
+    assert manager.session_info(tenant, parent).origin == "implicit"
     history = returned(manager, tenant, parent)
-
-    def post(turns: list[tuple[str, str]], message: str) -> tuple[Reply, object]:
-        turn = manager.continue_history(tenant, SYSTEM, turns, message, max_new_tokens=TOKENS)
-        items = list(turn)
-        assert isinstance(items[-1], Reply)
-        return items[-1], turn
 
     # Chosen ahead (replicas forward the request to that session's owner); a single process runs it here.
     assert manager.route_history(tenant, SYSTEM, history) == Route("local", parent)
     assert manager.route_history(tenant, SYSTEM, history[:2]) == Route("local", parent)  # the parent to fork
     assert manager.route_history(tenant, SYSTEM, [("Unrelated?", "Yes.")]) == Route("local", None)
-    _, turn = post(history, MESSAGES[3])  # continue
+    _, turn = post(manager, tenant, history, MESSAGES[3])  # continue
     assert (turn.session_id, turn.action) == (parent, "continue")
-    regenerate, turn = post(history[:2], MESSAGES[2])  # regenerate the third reply
+    regenerate, turn = post(manager, tenant, history[:2], MESSAGES[2])  # regenerate the third reply
     assert turn.action == "fork" and turn.parent_id == parent and turn.fork_source == "device"
     assert regenerate.stats.restored_from == "device" and regenerate.stats.reused_tokens > 0
     assert regenerate.token_ids == reference_reply(manager, tenant, turn.session_id, MESSAGES[2], TOKENS)
-    edited, turn = post(history[:1], "Name a shape.")  # edit the second user message
+    edited, turn = post(manager, tenant, history[:1], "Name a shape.")  # edit the second user message
     assert turn.action == "fork" and edited.stats.reused_tokens > 0
-    _, turn = post([("Unrelated?", "Yes.")], "Go on.")
+    _, turn = post(manager, tenant, [("Unrelated?", "Yes.")], "Go on.")
     assert turn.action == "new" and manager.session_info(tenant, turn.session_id).origin == "implicit"
+
+
+def test_a_posted_history_never_adds_a_turn_to_a_session_a_client_named(tiny_manager: SessionManager) -> None:
+    """Explicit and named sessions belong to the client that made them: another request posting
+    the same history (a common greedy opening) forks them, warm, and leaves them untouched."""
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    explicit = conversation(manager, tenant, 2)
+    named = manager.open_session(tenant, SYSTEM, name="user-1")
+    for message in MESSAGES[:2]:
+        manager.chat(tenant, named, message, max_new_tokens=TOKENS)
+    for sid in (explicit, named):
+        history = returned(manager, tenant, sid)
+        before = manager.history(tenant, sid)
+        reply, turn = post(manager, tenant, history, "My password is hunter2.")
+        assert turn.action == "fork" and turn.session_id != sid
+        assert reply.stats.reused_tokens > 0
+        assert manager.history(tenant, sid) == before
+        assert manager.session_info(tenant, turn.session_id).origin == "implicit"
+
+
+def test_identical_posts_at_once_all_complete_exactly(tmp_path: Path, tiny_engine: Engine) -> None:
+    """Ten clients posting one history at once (retries, a regenerate button pressed ten times):
+    one may continue the session, the others fork it; every request gets its reply, the same one."""
+    with open_manager(tmp_path / "home", tiny_engine) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = stateless_conversation(manager, tenant, 2)
+        history = returned(manager, tenant, parent)
+        manager.flush()
+        manager.evict_session(tenant, parent, "disk")  # the forks' seeds are slow to read: a wider race
+        results: list[tuple[Reply, HistoryTurn]] = []
+        errors: list[BaseException] = []
+
+        def post_one() -> None:
+            try:
+                results.append(post(manager, tenant, history[:1], MESSAGES[1]))
+            except Exception as exc:  # noqa: BLE001 - reported below, with the other threads'
+                errors.append(exc)
+
+        threads = [threading.Thread(target=post_one) for _ in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert errors == []
+        assert len(results) == 10
+        assert len({turn.session_id for _, turn in results}) == 10  # no two requests shared a session
+        reference = reference_reply(manager, tenant, manager.fork(tenant, parent, 1), MESSAGES[1], TOKENS)
+        assert [reply.token_ids for reply, _ in results] == [reference] * 10
+        assert sorted(turn.action or "" for _, turn in results).count("fork") >= 9
 
 
 def test_another_tenants_identical_history_finds_nothing(tiny_manager: SessionManager) -> None:
@@ -132,7 +200,7 @@ def test_forks_are_refused_for_turns_a_session_does_not_have(tiny_manager: Sessi
     manager = tiny_manager
     tenant = manager.create_tenant("acme").id
     parent = conversation(manager, tenant, 1)
-    for bad in (2, -1, True, "1"):
+    for bad in (2, -1, True, "1", 2**62):
         with pytest.raises(InvalidInput):
             manager.fork(tenant, parent, bad)  # type: ignore[arg-type]
     assert manager.session_info(tenant, manager.fork(tenant, parent, 0)).message_count == 0
