@@ -71,12 +71,12 @@ def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_toke
         s = reply.stats
         typer.secho(
             f"ttft {s.ttft_s * 1000:.0f} ms | prefilled {s.prefill_tokens} | reused {s.reused_tokens} | "
-            f"{cache_text(s)} | {s.decode_tokens} tokens in {s.decode_s:.2f} s",
+            f"{_cache_text(s)} | {s.decode_tokens} tokens in {s.decode_s:.2f} s",
             dim=True,
         )
 
 
-def cache_text(stats: TurnStats) -> str:
+def _cache_text(stats: TurnStats) -> str:
     """Where a turn's cache came from, in words: `new session` (its first turn; `..., shared
     system prompt` when the tenant's prefix pool had it), `cache from device`, `cache from disk,
     restored in 12 ms` (host, disk, redis), `cache rebuilt from the transcript`."""
