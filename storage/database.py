@@ -75,7 +75,11 @@ def open_database(url: str) -> Engine:
     try:
         return create_engine(parsed, pool_pre_ping=True)
     except ImportError as exc:  # the URL names a backend whose driver is not installed
-        raise ValueError(f"no database driver for {parsed.drivername!r} installed: {exc}") from exc
+        raise ValueError(
+            f"no database driver for {parsed.drivername!r} installed ({exc}): chatkv uses PostgreSQL "
+            "through psycopg 3, a `postgresql+psycopg://` URL with the `postgres` extra installed "
+            "(pip install -e '.[postgres]')"
+        ) from exc
 
 
 def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:

@@ -14,7 +14,7 @@ from app.cli.output import count
 from sessions import describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:
-    from sessions import Reply, SessionManager
+    from sessions import Reply, SessionManager, TurnStats
 
 
 def chat_command(
@@ -27,7 +27,8 @@ def chat_command(
     """Chat in the terminal with a tenant's session; the model runs in this process.
 
     Replies stream as they are generated, followed by the turn's TTFT, prefilled and reused tokens
-    and where the cache came from. Type /quit or press Ctrl-D to leave.
+    and where the cache came from (new session, device, host, disk, or rebuilt from the
+    transcript). Type /quit or press Ctrl-D to leave.
     """
     home = home_dir(ctx.obj)
     owner = read_owner(home)
@@ -70,9 +71,23 @@ def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_toke
         s = reply.stats
         typer.secho(
             f"ttft {s.ttft_s * 1000:.0f} ms | prefilled {s.prefill_tokens} | reused {s.reused_tokens} | "
-            f"restored from {s.restored_from} | {s.decode_tokens} tokens in {s.decode_s:.2f} s",
+            f"{_cache_text(s)} | {s.decode_tokens} tokens in {s.decode_s:.2f} s",
             dim=True,
         )
+
+
+def _cache_text(stats: TurnStats) -> str:
+    """Where a turn's cache came from, in words: `new session` (its first turn; `..., shared
+    system prompt` when the tenant's prefix pool had it), `cache from device`, `cache from disk,
+    restored in 12 ms` (host, disk, redis), `cache rebuilt from the transcript`."""
+    source = stats.restored_from
+    if source == "new":
+        return "new session, shared system prompt" if stats.base_reused_tokens else "new session"
+    if source == "rebuilt":
+        return "cache rebuilt from the transcript"
+    if source == "device":
+        return "cache from device"
+    return f"cache from {source}, restored in {stats.restore_s * 1000:.0f} ms"
 
 
 def _stream_turn(manager: SessionManager, tenant_id: str, session_id: str, message: str, max_new_tokens: int) -> Reply:

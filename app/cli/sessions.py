@@ -1,4 +1,5 @@
-"""`chatkv sessions ...`: list, inspect (`show`), evict, restore, delete and export sessions.
+"""`chatkv sessions ...`: list, inspect, show (the conversation), evict, restore, delete and export
+sessions.
 
 Each command asks `sessions.admin` (directly or through a server's admin API, see `app.cli.home`)
 and renders its JSON answer here; what a command shows beyond that answer belongs in the
@@ -28,7 +29,7 @@ ORIGINS = {
 }
 
 sessions_app = typer.Typer(
-    cls=CommandGroup, no_args_is_help=True, help="List, inspect, evict, restore, delete and export sessions."
+    cls=CommandGroup, no_args_is_help=True, help="List, inspect, show, evict, restore, delete and export sessions."
 )
 
 
@@ -170,8 +171,40 @@ def sessions_inspect(
 def sessions_show(
     ctx: typer.Context, session_id: str, tenant: TenantOption, as_json: JsonOption = False, server: ServerOption = None
 ) -> None:
-    """Alias of `sessions inspect`."""
-    sessions_inspect(ctx, session_id, tenant, as_json, server)
+    """Print a session's conversation: the system prompt, then each message with its role and time.
+
+    --json prints the same as data (`session`, `system_prompt`, `messages` with index, role, text
+    and created_at); `sessions export` adds each message's token ids, `sessions inspect` shows the
+    cache.
+    """
+    with open_admin(ctx, server) as admin:
+        export = admin.export_session(tenant, session_id)
+    transcript = {
+        "session": export["session"],
+        "system_prompt": export["system_prompt"],
+        "messages": [{k: v for k, v in m.items() if k != "token_ids"} for m in export["messages"]],
+    }
+    print_data(transcript, as_json, _render_transcript)
+
+
+def _render_transcript(transcript: Json) -> None:
+    """A header line, then one block per message: `[role · time]` and its text as written."""
+    s = transcript["session"]
+    turns = count(sum(1 for m in transcript["messages"] if m["role"] == "user"), "turn")
+    typer.echo(f"session {s['id']} (tenant {s['tenant']}), {turns}, cache {s['tier'] or 'not stored'}")
+    if s["title"]:
+        typer.echo(f"title: {s['title']}")
+    if s["origin"] == "fork":
+        typer.echo(_origin_text(s))
+    blocks: list[tuple[str, str | None, str]] = []
+    if transcript["system_prompt"]:
+        blocks.append(("system", None, transcript["system_prompt"]))
+    blocks += [(m["role"], when(m["created_at"]), m["text"]) for m in transcript["messages"]]
+    if not blocks:
+        typer.echo("\n(no messages yet)")
+    for role, at, text in blocks:
+        typer.echo(f"\n[{role}{'' if at is None else ' · ' + at}]")
+        typer.echo(text)
 
 
 @sessions_app.command("evict")

@@ -20,6 +20,11 @@ warm from the original's cache, becomes the open session and runs the turn; the 
 it was, in the picker (`↳ fork of “...” at turn 3`). A regenerated or edited turn that fails or is
 stopped deletes its fork and opens the original again.
 
+Delete session… under the picker asks first (`app.ui.deletion`): the question names the open
+session, and only its "Delete for good" deletes it (`SessionManager.delete_session`: transcript and
+caches in every tier), then the picker is refreshed. The chat's clear button (a bin icon, its
+tooltip `CLEAR_LABEL`) deletes nothing: it only starts a new conversation.
+
 The open session is remembered in the browser (`gr.BrowserState`, the browser's local storage), so
 a page reload opens it again once the same tenant is signed in.
 
@@ -28,8 +33,8 @@ tests call them directly without a browser.
 
 Where things live: this module builds the page (`build_ui`) and holds what the server mounts it
 with; the handlers are `app.ui.handlers.ChatUI`, a turn's worker thread is `app.ui.turns`, where
-a fork starts `app.ui.forks`, the picker's labels `app.ui.sessions`, the view values
-`app.ui.view` and their HTML `app.ui.render`.
+a fork starts `app.ui.forks`, the picker's labels `app.ui.sessions`, deleting a session
+`app.ui.deletion`, the view values `app.ui.view` and their HTML `app.ui.render`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from app.ui.handlers import (
     ChatUI,
     local_tenant,
 )
-from app.ui.render import STATS_HEADERS, STATS_TABLE_LABEL
+from app.ui.render import STATS_COLUMN_WIDTHS, STATS_HEADERS, STATS_TABLE_LABEL
 from app.ui.sessions import LABEL_CHARS
 from app.ui.view import REMEMBERED_KEY, View, ViewState
 
@@ -57,6 +62,7 @@ __all__ = [
     "CHAT_CONCURRENCY",
     "CLEAR_LABEL",
     "EMPTY_KEY_MESSAGE",
+    "KEY_HELP",
     "LABEL_CHARS",
     "LOCAL_TENANT",
     "STOPPED_NOTE",
@@ -74,6 +80,13 @@ CHAT_CONCURRENCY = 16
 """Turns streamed at once across all tabs; the engine loop batches them into each forward pass."""
 CLEAR_LABEL = "New conversation (this one stays in the Session list)"
 """Tooltip of the chat's clear button, which leaves the session on screen without deleting it."""
+KEY_HELP = (
+    "A key (`ckv_...`) belongs to one tenant and comes from whoever runs this server: "
+    "`chatkv tenants create <name>` prints a new tenant's key once, and "
+    "`chatkv tenants rotate-api-key <name>` issues a new one (the old one stops working). "
+    "Ask your administrator for yours."
+)
+"""Under the sign-in box: where API keys come from."""
 UI_CSS = """
 #turn-stats .chatkv-stats { font-size: 0.9em; opacity: 0.85; padding: 2px 4px; }
 #turn-stats b { font-variant-numeric: tabular-nums; }
@@ -92,7 +105,9 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
     flight at shutdown).
 
     Stable element ids (for users' CSS and for tests): `api-key`, `login`, `login-message`,
-    `tenant-line`, `session-picker`, `refresh-sessions`, `new-title`, `new-system-prompt`,
+    `login-help`, `tenant-line`, `session-picker`, `refresh-sessions`, `delete-session` (asks
+    first: `delete-panel` holds the question `delete-question` and its answers `confirm-delete`
+    and `cancel-delete`), `new-title`, `new-system-prompt`,
     `new-session`, `max-new-tokens`, `temperature`, `sign-out`, `session-info`, `chat`,
     `reply-note` (a note about the last reply: `[data-note=stopped]` after Stop, `[data-note=length]`
     when it reached Max new tokens, `[data-note=same]` when a regenerated reply is the one it
@@ -116,13 +131,23 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
             api_key = gr.Textbox(label="Tenant API key", type="password", elem_id="api-key", placeholder="ckv_...")
             login = gr.Button("Sign in", variant="primary", elem_id="login")
             login_message = gr.HTML(elem_id="login-message")
+            gr.Markdown(KEY_HELP, elem_id="login-help")
         with gr.Row(visible=False, elem_id="main-panel") as main_panel:
             with gr.Column(scale=1, min_width=280):
                 tenant_line = gr.HTML(elem_id="tenant-line")
                 session_picker = gr.Dropdown(
                     label="Session", choices=[], value=None, interactive=True, elem_id="session-picker"
                 )
-                refresh = gr.Button("Refresh list", size="sm", elem_id="refresh-sessions")
+                with gr.Row():
+                    refresh = gr.Button("Refresh list", size="sm", elem_id="refresh-sessions")
+                    delete = gr.Button("Delete session…", size="sm", elem_id="delete-session")
+                with gr.Column(visible=False, elem_id="delete-panel") as delete_panel:
+                    delete_question = gr.HTML(elem_id="delete-question")
+                    with gr.Row():
+                        confirm_delete = gr.Button(
+                            "Delete for good", variant="stop", size="sm", elem_id="confirm-delete"
+                        )
+                        cancel_delete = gr.Button("Keep it", size="sm", elem_id="cancel-delete")
                 with gr.Accordion("New session", open=False):
                     title = gr.Textbox(label="Title (optional)", elem_id="new-title")
                     system_prompt = gr.Textbox(label="System prompt (optional)", lines=3, elem_id="new-system-prompt")
@@ -151,7 +176,8 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
                     editable="user",
                     placeholder=(
                         "Pick a session or just type: a new session starts with your first message. "
-                        "The clear button starts a new conversation; it deletes nothing. "
+                        "The bin icon at the top right of the chat starts a new conversation: it deletes nothing. "
+                        "To delete a session, use Delete session… under the Session list (it asks first). "
                         "Stop cancels a reply and discards it. Retry on the last reply regenerates it "
                         "and the pencil on your message edits it: each makes a fork, and the original "
                         "stays in the Session list."
@@ -174,6 +200,9 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
                         label=STATS_TABLE_LABEL,
                         show_label=True,
                         elem_id="stats-table",
+                        # Wrapped, the eight columns fit the box at any page width.
+                        wrap=True,
+                        column_widths=STATS_COLUMN_WIDTHS,
                     )
         components = {
             "state": state, "login_panel": login_panel, "main_panel": main_panel, "login_message": login_message,
@@ -181,6 +210,7 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
             "session_info": session_info, "chatbot": chatbot, "message": message, "send_button": send,
             "stats_line": stats_line, "stats_table": stats_table, "error_line": error_line,
             "stop_button": stop, "reply_note": reply_note, "remembered": remembered,
+            "delete_panel": delete_panel, "delete_question": delete_question,
         }  # fmt: skip
         outputs = [components[name] for name in View._fields]
         quick: dict[str, Any] = {"outputs": outputs, "api_visibility": "private", "show_progress": "hidden"}
@@ -191,6 +221,9 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
         # `.input`, not `.change`: a handler setting the picker's value must not reload the history.
         session_picker.input(ui.select_session, inputs=[session_picker, state], **quick)
         chatbot.clear(ui.leave_session, inputs=[state], **quick)
+        delete.click(ui.ask_delete, inputs=[state], **quick)
+        confirm_delete.click(ui.confirm_delete, inputs=[state], **quick)
+        cancel_delete.click(ui.cancel_delete, inputs=[state], **quick)
         new.click(ui.new_session, inputs=[title, system_prompt, state], **quick)
         # The turns: a send, and the forks (regenerate: the retry button on the last reply; edit:
         # the pencil on a user message), all queued together.

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 
+from app.ui.deletion import SessionDeletion
 from app.ui.forks import (
     FORK_STOPPED_NOTE,
     NO_SUCH_MESSAGE,
@@ -32,10 +33,12 @@ from app.ui.render import (
 from app.ui.sessions import SessionLabels
 from app.ui.turns import Turn, TurnThreads, slider_values
 from app.ui.view import (
+    DELETE_HIDDEN,
     View,
     ViewState,
     input_update,
     make_view,
+    no_session_view,
     overlay,
     remembered_session,
     remembered_value,
@@ -68,6 +71,7 @@ class ChatUI:
         """Restores a selected session's cache to the device before its next message (server only)."""
         self._turns = TurnThreads()
         self._labels = SessionLabels(manager)
+        self._deletion = SessionDeletion(manager, self._labels, self._turns)
 
     # -- signing in ----------------------------------------------------------------------------
 
@@ -183,7 +187,7 @@ class ChatUI:
             self.prefetcher.start(tenant, info.id)  # its next message finds the cache warm
         history = self.manager.history(tenant, session_id)
         shown = tuple((m.role, m.text) for m in history if m.role in ("user", "assistant"))
-        state = replace(state, session_id=info.id, shown=shown, stats_rows=())
+        state = replace(state, session_id=info.id, shown=shown, stats_rows=(), deleting=None)
         note = note_html(
             "Turn stats cover the turns you send in this page visit; earlier turns were not measured here."
         )
@@ -196,6 +200,7 @@ class ChatUI:
             error_line="",
             reply_note="",
             remembered=remembered_value(tenant, info.id),
+            **DELETE_HIDDEN,
         )
 
     def new_session(self, title: str, system_prompt: str, state: ViewState) -> View:
@@ -212,7 +217,7 @@ class ChatUI:
         except ChatKVError as exc:
             return make_view(state, error_line=error_html(str(exc)))
         return make_view(
-            replace(state, session_id=session_id, shown=(), stats_rows=()),
+            replace(state, session_id=session_id, shown=(), stats_rows=(), deleting=None),
             session_picker=picker,
             session_info=session_info_html(info),
             chatbot=[],
@@ -221,6 +226,7 @@ class ChatUI:
             error_line="",
             reply_note="",
             remembered=remembered_value(tenant, session_id),
+            **DELETE_HIDDEN,
         )
 
     def leave_session(self, state: ViewState) -> View:
@@ -229,21 +235,24 @@ class ChatUI:
         tenant = self._tenant(state)
         if isinstance(tenant, View):
             return tenant
-        left = state.session_id is not None
         note = "New conversation: your next message starts a new session."
-        if left:
+        if state.session_id is not None:
             note += " The previous one is kept in the Session list."
-        return make_view(
-            replace(state, session_id=None, shown=(), stats_rows=()),
-            session_picker=gr.update(value=None),
-            session_info=html.escape(note),
-            chatbot=[],
-            stats_line="",
-            stats_table=[],
-            error_line="",
-            reply_note="",
-            remembered=None,
-        )
+        return no_session_view(state, html.escape(note))
+
+    def ask_delete(self, state: ViewState) -> View:
+        """The Delete button: ask whether to delete the open session (`SessionDeletion.ask`)."""
+        tenant = self._tenant(state)
+        return tenant if isinstance(tenant, View) else self._deletion.ask(tenant, state)
+
+    def confirm_delete(self, state: ViewState) -> View:
+        """The question's Delete: delete the session it names (`SessionDeletion.confirm`)."""
+        tenant = self._tenant(state)
+        return tenant if isinstance(tenant, View) else self._deletion.confirm(tenant, state)
+
+    def cancel_delete(self, state: ViewState) -> View:
+        """The question's Cancel: nothing is deleted."""
+        return self._deletion.cancel(state)
 
     # -- turns ---------------------------------------------------------------------------------
 
@@ -538,6 +547,7 @@ def _no_session_shown() -> dict[str, Any]:
         "error_line": "",
         "stop_button": stop_button_update(False),
         "reply_note": "",
+        **DELETE_HIDDEN,
     }
 
 

@@ -19,6 +19,8 @@ STATS_HEADERS = [
     "context tokens",
 ]
 """Columns of the stats table, in the order of `stats_row`."""
+STATS_COLUMN_WIDTHS: list[str | int] = ["7%", "11%", "12%", "12%", "20%", "12%", "13%", "13%"]
+"""Shares of the table's width: "cache from" holds words, the others figures under two-word headers."""
 STATS_TABLE_LABEL = "Turns sent in this page visit"
 _SOURCE_NAMES = {"device": "device", "host": "host memory", "disk": "disk"}
 

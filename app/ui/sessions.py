@@ -47,12 +47,13 @@ class SessionLabels:
         the tenant's sessions by id; a parent not there reads `a deleted session`)."""
         now = datetime.now(UTC)
         if info.parent_id is None:
-            return f"{self._name(tenant, info)} · {ago(info.last_active_at, now)}"
+            return f"{self.name(tenant, info)} · {ago(info.last_active_at, now)}"
         parent = sessions.get(str(info.parent_id))
-        whose = "a deleted session" if parent is None else f"“{self._name(tenant, parent)}”"
+        whose = "a deleted session" if parent is None else f"“{self.name(tenant, parent)}”"
         return f"{FORK_MARK} fork of {whose} at turn {(info.fork_turns or 0) + 1} · {ago(info.last_active_at, now)}"
 
-    def _name(self, tenant: Tenant, info: SessionInfo) -> str:
+    def name(self, tenant: Tenant, info: SessionInfo) -> str:
+        """The session's title, else its first message, else `(empty)`, shortened to `LABEL_CHARS`."""
         first = self._first_message(tenant, info) if info.message_count and not info.title else None
         return _shorten(info.title or first or "(empty)", LABEL_CHARS)
 

@@ -4,7 +4,7 @@ handlers (`app.ui.handlers`) build views from."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import gradio as gr
@@ -31,6 +31,8 @@ class ViewState:
     shown: Shown = ()
     stats_rows: tuple[StatsRow, ...] = ()
     api_key: str | None = field(default=None, repr=False)
+    deleting: str | None = None
+    """The session the delete question on screen names (`app.ui.deletion`); `None`: no question."""
 
 
 class View(NamedTuple):
@@ -55,12 +57,36 @@ class View(NamedTuple):
     reply_note: Any
     remembered: Any
     """The open session as stored in the browser (`_remembered`), for the next page load."""
+    delete_panel: Any
+    """The delete question and its two buttons: shown only while a deletion waits for its answer."""
+    delete_question: Any
 
 
 def make_view(state: ViewState, **changes: Any) -> View:
     values: dict[str, Any] = {name: gr.update() for name in View._fields}
     values.update(changes, state=state)
     return View(**values)
+
+
+DELETE_HIDDEN: dict[str, Any] = {"delete_panel": gr.update(visible=False), "delete_question": ""}
+"""The outputs that put the delete question away."""
+
+
+def no_session_view(state: ViewState, note: str) -> View:
+    """The tab with no session open and the chat empty, `note` (HTML) in the session line: the
+    next message starts a new session."""
+    return make_view(
+        replace(state, session_id=None, shown=(), stats_rows=(), deleting=None),
+        session_picker=gr.update(value=None),
+        session_info=note,
+        chatbot=[],
+        stats_line="",
+        stats_table=[],
+        error_line="",
+        reply_note="",
+        remembered=None,
+        **DELETE_HIDDEN,
+    )
 
 
 def input_update(enabled: bool, **value: Any) -> dict[str, Any]:

@@ -15,9 +15,10 @@ from sessions.engine.config import SchedulerConfig
 from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import MAX_DURATION_S, env_variable, parse_bytes, parse_duration_s
-from sessions.settings.settings import DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home
+from sessions.settings.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home
 
 __all__ = [
+    "BUNDLED_MODEL_NAME",
     "DEFAULT_MODEL",
     "MAX_DURATION_S",
     "REPLICA_ID_FILE",

@@ -31,6 +31,8 @@ REPLICA_ID_FILE = "replica.id"
 
 DEFAULT_MODEL = "default"
 """`Settings.model` value naming the bundled SmolLM2-135M-Instruct."""
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""The display name of the `DEFAULT_MODEL`."""
 
 
 def _total_memory_bytes() -> int:

@@ -234,6 +234,9 @@ def test_admin_commands_through_the_server(server: Server) -> None:
     exported = json.loads(ok(server, "sessions", "export", server.session_id, "--tenant", "acme"))
     assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
     assert exported["messages"][0]["text"] == "Hello"
+    shown = ok(server, "sessions", "show", server.session_id, "--tenant", "acme")
+    assert shown.startswith(f"session {server.session_id} (tenant acme), 1 turn, cache ")
+    assert "\n[user · " in shown and "]\nHello\n\n[assistant · " in shown
     stats = as_json(server, "stats")
     assert stats["tenants"] >= 2 and set(stats["tiers"]) == {"device", "host", "disk"}
     assert stats["live"] is True and stats["prefill_tokens"] >= 0

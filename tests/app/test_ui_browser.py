@@ -1,7 +1,8 @@
 """The real page in headless Chromium against a real server process (tiny model, local mode): two
 turns, and the second one's stats on the page show the cache was reused; Stop cancels a long reply
 and the session takes the next message at once; a reload opens the same session again; the retry
-button on the last reply opens a fork, the original still in the picker.
+button on the last reply opens a fork, the original still in the picker, and deleting the fork
+(after the page asks) leaves only the original; the stats table fits a 1400 px page.
 
 Chromium is the system browser (Debian `chromium`, installed by `.ci/run`); Playwright drives it by
 path and never downloads one. Without it the test is skipped with the reason shown by `-ra`.
@@ -177,7 +178,7 @@ def test_second_turn_in_the_browser_reuses_the_cache(chromium: Path, local_serve
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page()
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(server.url)
             page.locator("#message textarea").wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
             assert "local" in page.locator("#tenant-line").inner_text()
@@ -201,7 +202,14 @@ def test_second_turn_in_the_browser_reuses_the_cache(chromium: Path, local_serve
             # Send and the message box are usable again once the reply is done.
             assert page.locator("#send").is_enabled() and page.locator("#message textarea").is_enabled()
             # The chat's clear button says what it does: a new conversation, nothing deleted.
-            assert page.locator(f'#chat button[aria-label="{CLEAR_LABEL}"]').count() == 1
+            assert page.locator(f'#chat button[title="{CLEAR_LABEL}"]').count() == 1
+            # The stats table fits its box on a 1400 px page: the last column is inside it.
+            page.get_by_text("Turn stats", exact=True).click()
+            last = page.locator("#stats-table").get_by_role("columnheader", name="context tokens")
+            last.wait_for(timeout=TURN_TIMEOUT_MS)
+            table, column = page.locator("#stats-table").bounding_box(), last.bounding_box()
+            assert table is not None and column is not None
+            assert column["x"] + column["width"] <= table["x"] + table["width"]
         finally:
             browser.close()
 
@@ -282,6 +290,7 @@ def test_the_page_asks_for_a_key_and_shows_only_that_tenants_sessions(
             key_box = page.locator("#api-key input")
             key_box.wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
             assert not page.locator("#message textarea").is_visible()
+            assert "chatkv tenants create <name>" in page.locator("#login-help").inner_text()
 
             fill_once_hydrated(page, key_box, keys["acme"][:-4] + "AAAA")
             key_box.press("Enter")
@@ -320,5 +329,18 @@ def test_retry_on_the_last_reply_opens_a_fork_and_keeps_the_original(chromium: P
             # An option's text is its label, after a check mark on the chosen one.
             options = [text.splitlines()[-1].split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
             assert sorted(options) == ["Hello there", fork_label]
+            page.keyboard.press("Escape")
+
+            # Delete the fork (open): the page asks first, then the picker keeps only the original.
+            page.locator("#delete-session").click()
+            question = page.locator("#delete-question")
+            question.wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
+            assert "for good?" in question.inner_text()
+            page.locator("#confirm-delete").click()
+            page.locator("#delete-panel").wait_for(state="hidden", timeout=TURN_TIMEOUT_MS)
+            assert page.locator("#session-info").inner_text().startswith("Deleted session s_")
+            page.locator("#session-picker input").click()
+            options = [text.splitlines()[-1].split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
+            assert options == ["Hello there"]
         finally:
             browser.close()
