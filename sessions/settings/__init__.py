@@ -15,7 +15,7 @@ from sessions.engine.config import SchedulerConfig
 from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import MAX_DURATION_S, env_variable, parse_bytes, parse_duration_s
-from sessions.settings.settings import DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home
+from sessions.settings.settings import DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home, default_model_cache_dir
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -34,6 +34,7 @@ __all__ = [
     "WindowConfig",
     "WindowPolicyName",
     "default_home",
+    "default_model_cache_dir",
     "env_variable",
     "parse_bytes",
     "parse_duration_s",

@@ -50,6 +50,12 @@ def _user_data_home() -> Path:
     return Path(platformdirs.user_data_dir("chatkv", appauthor=False))
 
 
+def default_model_cache_dir() -> Path:
+    """The per-user cache directory every home shares (`~/.cache/chatkv/models` on Linux, under
+    `$XDG_CACHE_HOME` when set): one converted copy of a model per machine and user."""
+    return Path(platformdirs.user_cache_dir("chatkv", appauthor=False)) / "models"
+
+
 _Cls = TypeVar("_Cls", bound=type)
 _DECLARED_DEFAULTS: dict[str, Callable[[], Any]] = {}
 """Field name -> its declared default (what applies when `CHATKV_<FIELD>` is not set)."""
@@ -116,7 +122,9 @@ class Settings:
     model: str = DEFAULT_MODEL
     """`"default"` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model directory."""
     model_cache_dir: Path | None = None
-    """Where the bundled GGUF is converted to safetensors once; default `home/models`."""
+    """Where converted models are kept (the bundled GGUF as safetensors), shared by every home on
+    the machine; default `~/.cache/chatkv/models` (`default_model_cache_dir`). Set it per home to
+    keep a home's own copy."""
     database_url: str | None = None
     """SQLAlchemy URL; default SQLite at `home/chatkv.db`."""
     device: str = "auto"
@@ -345,7 +353,7 @@ class Settings:
 
     @property
     def resolved_model_cache_dir(self) -> Path:
-        return self.model_cache_dir or self.home / "models"
+        return self.model_cache_dir or default_model_cache_dir()
 
     @property
     def replica_mode(self) -> bool:
