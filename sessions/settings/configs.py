@@ -41,7 +41,8 @@ class ModelConfig:
     """Which model to load, where and how (`sessions.model_source.load_model`).
 
     Attributes:
-        model: `"default"` (the bundled SmolLM2-135M-Instruct) or a local Hugging Face model directory.
+        model: `"default"` (the bundled SmolLM2-135M-Instruct), a local Hugging Face model directory,
+            a `.gguf` file or a hub id (`sessions.model_source.resolve_model`).
         model_cache_dir: where the bundled GGUF is converted to safetensors once.
         device: `auto`, `cpu`, `cuda`, `cuda:N` or `mps` (`auto`: CUDA when available, else CPU).
         dtype: the weights' (and so every KV cache's) precision.

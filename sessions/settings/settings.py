@@ -120,7 +120,9 @@ class Settings:
 
     home: Path = field(default_factory=_user_data_home)
     model: str = DEFAULT_MODEL
-    """`"default"` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model directory."""
+    """`"default"` for the bundled SmolLM2-135M-Instruct, a local Hugging Face model directory, a
+    `.gguf` file (converted once into the model cache), or a hub id such as
+    `HuggingFaceTB/SmolLM2-360M-Instruct` (loaded through transformers' download and cache)."""
     model_cache_dir: Path | None = None
     """Where converted models are kept (the bundled GGUF as safetensors), shared by every home on
     the machine; default `~/.cache/chatkv/models` (`default_model_cache_dir`). Set it per home to
