@@ -12,7 +12,7 @@ Torch-free: the admin CLI imports it to talk to a server.
 from __future__ import annotations
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName
+from sessions.settings.checks import DtypeName, DtypeSetting, PersistMode, Precision, RoutingMode, WindowPolicyName
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import MAX_DURATION_S, env_variable, parse_bytes, parse_duration_s
 from sessions.settings.settings import DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home, default_model_cache_dir
@@ -22,6 +22,7 @@ __all__ = [
     "MAX_DURATION_S",
     "REPLICA_ID_FILE",
     "DtypeName",
+    "DtypeSetting",
     "ModelConfig",
     "PersistMode",
     "Precision",

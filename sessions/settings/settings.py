@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import platformdirs
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName, check_field
+from sessions.settings.checks import DtypeSetting, PersistMode, Precision, RoutingMode, WindowPolicyName, check_field
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import env_variable, parse_field
 
@@ -33,7 +33,8 @@ DEFAULT_MODEL = "default"
 """`Settings.model` value naming the bundled SmolLM2-135M-Instruct."""
 
 
-def _total_memory_bytes() -> int:
+def total_memory_bytes() -> int:
+    """The machine's RAM in bytes (8 GiB where the platform does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -109,8 +110,9 @@ class Settings:
 
     Budgets are bytes of KV cache (keys and values of every model layer, plus quantisation scales).
     `None` budgets are derived from the machine in `__post_init__`: device and host 25% of RAM each,
-    disk 25% of the free space under `home` capped at 64 GiB. On a GPU, set `device_budget_bytes`
-    to what the card can spare beside the model's weights and activations.
+    disk 25% of the free space under `home` capped at 64 GiB. On CUDA a derived device budget (and a
+    derived tenant quota) is replaced once the model is loaded by the GPU's free memory less a
+    headroom (`sessions.device_defaults`; `derived_budgets` names the derived ones).
 
     Raises:
         ValueError: for impossible values (non-positive budgets, a tenant quota above the device
@@ -131,7 +133,9 @@ class Settings:
     """SQLAlchemy URL; default SQLite at `home/chatkv.db`."""
     device: str = "auto"
     """torch device for the model and the `device` tier; `auto` picks CUDA when available, else CPU."""
-    dtype: DtypeName = "float32"
+    dtype: DtypeSetting = "auto"
+    """The model's precision: `auto` (bfloat16 on CUDA, float16 on GPUs without bfloat16, float32
+    on a CPU), `float32`, `bfloat16` or `float16`."""
     threads: int | None = None
     """torch intra-op threads; `None` keeps torch's default."""
 
@@ -248,7 +252,11 @@ class Settings:
         self.tier_config()
 
     def _derive_budgets(self) -> None:
-        ram = _total_memory_bytes()
+        budgets = ("device_budget_bytes", "host_budget_bytes", "disk_budget_bytes", "tenant_device_quota_bytes")
+        # Not a field (equality, `replace` and the environment ignore it): which budgets the
+        # composition root may still set from the device it finds (a GPU's free memory).
+        object.__setattr__(self, "_derived_budgets", frozenset(n for n in budgets if getattr(self, n) is None))
+        ram = total_memory_bytes()
         defaults = {
             "device_budget_bytes": ram // 4,
             "host_budget_bytes": ram // 4,
@@ -348,6 +356,12 @@ class Settings:
         )
 
     # -- derived values --------------------------------------------------------------------------
+
+    @property
+    def derived_budgets(self) -> frozenset[str]:
+        """The budget fields that were not given (derived from the machine in `__post_init__`)."""
+        derived: frozenset[str] = getattr(self, "_derived_budgets", frozenset())
+        return derived
 
     @property
     def resolved_database_url(self) -> str:
