@@ -39,6 +39,7 @@ from sessions.forks import Forks
 from sessions.history_lookup import HistoryLookup
 from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
+from sessions.model_cache import old_home_copy
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore
 from sessions.registry import Registry
@@ -114,6 +115,13 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
         engine = Engine(load_model(model.model, model.model_cache_dir, device, dtype))
     engine.loop.configure(settings.scheduler_config())
+    old_copy = old_home_copy(settings.home, model.model_cache_dir)
+    if old_copy is not None:
+        log.info(
+            "%s holds a model copy from before the shared model cache (%s); it can be deleted",
+            old_copy,
+            model.model_cache_dir,
+        )
     window = settings.window_config()
     tier_config = _device_tier_config(settings, engine)
     budget = window.budget_tokens(engine.max_context_tokens)

@@ -39,6 +39,15 @@ def is_complete(target: Path) -> bool:
     return (target / COMPLETE_MARKER).is_file()
 
 
+def old_home_copy(home: Path, model_cache_dir: Path) -> Path | None:
+    """A converted model left in `home/models` by versions before the shared cache (about 0.5 GB
+    each), when this home now reads another cache; `None` if there is none."""
+    old = home / "models"
+    if old.resolve() == model_cache_dir.resolve() or not old.is_dir():
+        return None
+    return old if any(is_complete(entry) for entry in old.iterdir() if entry.is_dir()) else None
+
+
 def publish_once(target: Path, build: Callable[[Path], str], *, wait_s: float = CONVERSION_WAIT_S) -> bool:
     """Make the directory `target` with `build` unless a complete one is already there.
 

@@ -13,7 +13,7 @@ import pytest
 from filelock import FileLock
 
 from sessions.errors import ModelUnavailable
-from sessions.model_cache import COMPLETE_MARKER, lock_path, publish_once
+from sessions.model_cache import COMPLETE_MARKER, lock_path, old_home_copy, publish_once
 from sessions.model_source import load_model
 from sessions.settings import Settings
 from tests.conftest import MASTER_KEY, MODEL_CACHE, REPO
@@ -95,3 +95,11 @@ def test_a_conversion_held_too_long_by_another_process_is_a_typed_error(tmp_path
     with FileLock(lock_path(target)), pytest.raises(ModelUnavailable, match="another process has been converting"):
         publish_once(target, lambda staging: pytest.fail("built under another's lock"), wait_s=0.2)
     assert not target.exists()
+
+
+def test_a_copy_left_in_the_home_by_older_versions_is_pointed_out(tmp_path: Path) -> None:
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    assert old_home_copy(home, cache) is None
+    publish_once(home / "models" / "smollm2-135m-instruct", lambda staging: "{}")
+    assert old_home_copy(home, cache) == home / "models"
+    assert old_home_copy(home, home / "models") is None  # the home's own cache, set on purpose
