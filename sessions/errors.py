@@ -139,8 +139,9 @@ class ModelUnavailable(ChatKVError):
 
 class ModelNotFound(ModelUnavailable):
     """The model named (`Settings.model`, `--model`) is not there: no such folder or GGUF file, a
-    folder that is not a Hugging Face model, or a hub id that the hub could not be reached for and
-    that is not in the local Hugging Face cache. Bad input: the CLI exits 2."""
+    folder that is not a Hugging Face model, a GGUF file transformers cannot read, or a hub id that
+    the hub could not be reached for (or does not have) and that is not in the local Hugging Face
+    cache. Bad input: the CLI exits 2."""
 
 
 class HomeLocked(ChatKVError):

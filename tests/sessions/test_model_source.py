@@ -66,3 +66,12 @@ def test_an_endpoint_that_refuses_connections_is_reported_at_once() -> None:
         port = sock.getsockname()[1]
         reason = hub_unreachable_reason(f"http://127.0.0.1:{port}", timeout_s=5)
     assert reason is not None and reason.startswith(f"127.0.0.1:{port}: ")
+
+
+def test_a_gguf_file_that_is_no_gguf_is_model_not_found_and_leaves_no_copy(tmp_path: Path) -> None:
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("not a gguf file at all")
+    cache = tmp_path / "models"
+    with pytest.raises(ModelNotFound, match=r"^cannot convert .*notes\.gguf: .*not a GGUF file"):
+        load_model(str(bad), cache, "cpu", "float32")
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
