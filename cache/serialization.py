@@ -37,6 +37,28 @@ class MalformedCache(CacheError):
     """Tensors and header do not describe a valid cache (wrong names, shapes or version)."""
 
 
+PIN_MIN_BYTES = 1 << 20
+"""Host tensors at least this large are copied to a CUDA device through pinned memory."""
+
+
+def pins_for_copy(device_type: str, nbytes: int) -> bool:
+    """Whether a decoded host tensor of `nbytes` goes to a `device_type` device through pinned
+    (page-locked) memory: only to CUDA, and only for tensors of a MiB or more, where an
+    asynchronous DMA copy beats the driver's staged copy of pageable memory and the pinning copy's
+    own cost is amortised; small tensors are copied directly."""
+    return device_type == "cuda" and nbytes >= PIN_MIN_BYTES
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` (on the host, decoded from a tier's bytes) on `device`. To CUDA, large tensors are
+    pinned and copied asynchronously on the current stream (kernels that read them later on that
+    stream are ordered after the copy; torch's pinned allocator keeps the source until it is done)."""
+    target = torch.device(device)
+    if tensor.device.type == "cpu" and pins_for_copy(target.type, tensor.numel() * tensor.element_size()):
+        return tensor.pin_memory().to(target, non_blocking=True)
+    return tensor.to(target)
+
+
 def _lossy_mask(cache: SessionCache, precision: str, residual_tokens: int) -> list[bool]:
     mask: list[bool] = []
     for span in cache.layers:
@@ -168,7 +190,7 @@ def _session_cache_from_tensors(
                 full[:, :, mask] = dequantize(q, dtype)
             if full.dtype != dtype:
                 raise MalformedCache(f"tensor {name}.{index} is {full.dtype}, header says {dtype}")
-            out.append(full.to(device))
+            out.append(to_device(full, device))
     stream_index = None
     if "idx.0" in tensors:
         stream_index = tuple(tensors[f"idx.{i}"].to(torch.long) for i in range(len(keys)))
@@ -211,8 +233,8 @@ def base_layer_from_tensors(
             raise MalformedCache(f"unsupported base format {header.get('format_version')!r}")
         count = int(header["num_model_layers"])
         ids = tuple(int(i) for i in header["base_token_ids"])
-        keys = tuple(tensors[f"k.{i}"].to(device) for i in range(count))
-        values = tuple(tensors[f"v.{i}"].to(device) for i in range(count))
+        keys = tuple(to_device(tensors[f"k.{i}"], device) for i in range(count))
+        values = tuple(to_device(tensors[f"v.{i}"], device) for i in range(count))
         if any(k.shape[-2] != len(ids) for k in keys):
             raise MalformedCache("base tensors do not match the base token ids")
         return BaseLayer(PrefixKey(str(header["base_key"])), ids, keys, values)

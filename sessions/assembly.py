@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -32,12 +32,14 @@ from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import WindowPolicy
 from sessions.catalogue import SessionCatalogue
+from sessions.device_defaults import default_device_budget_bytes, probe_device, resolve_dtype
 from sessions.engine import Engine
 from sessions.errors import ModelUnavailable, SessionBusy
 from sessions.forks import Forks
 from sessions.history_lookup import HistoryLookup
 from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
+from sessions.model_cache import old_home_copy
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore
 from sessions.registry import Registry
@@ -45,6 +47,7 @@ from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
 from sessions.retention import Retention
 from sessions.settings import Settings, TierConfig
+from sessions.settings.settings import total_memory_bytes
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
@@ -108,10 +111,19 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     upgrade(settings.resolved_database_url, database)
     metadata = MetadataStore(database)
     if engine is None:
-        engine = Engine(load_model(model.model, model.model_cache_dir, resolve_device(model.device), model.dtype))
+        device = resolve_device(model.device)
+        dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
+        engine = Engine(load_model(model.model, model.model_cache_dir, device, dtype))
     engine.loop.configure(settings.scheduler_config())
+    old_copy = old_home_copy(settings.home, model.model_cache_dir)
+    if old_copy is not None:
+        log.info(
+            "%s holds a model copy from before the shared model cache (%s); it can be deleted",
+            old_copy,
+            model.model_cache_dir,
+        )
     window = settings.window_config()
-    tier_config = settings.tier_config()
+    tier_config = _device_tier_config(settings, engine)
     budget = window.budget_tokens(engine.max_context_tokens)
     keys = _tenant_keys(settings, metadata)
     replica_config = settings.replica_config()
@@ -333,10 +345,36 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelUnavailable(f"device {device!r} asked for, but CUDA is not available on this machine")
+        cpu_build = torch.version.cuda is None
+        why = "a CPU build: `make run TORCH=cuda` installs the CUDA one" if cpu_build else "no GPU found"
+        raise ModelUnavailable(
+            f"device {device!r} asked for, but CUDA is not available on this machine (torch {torch.__version__}, {why})"
+        )
     if device == "mps" and not torch.backends.mps.is_available():
         raise ModelUnavailable("device 'mps' asked for, but MPS is not available on this machine")
     return device
+
+
+def _device_tier_config(settings: Settings, engine: Engine) -> TierConfig:
+    """The tier budgets, with a derived device budget (and tenant quota) taken from the GPU's free
+    memory now that the weights are on it (`sessions.device_defaults`); unchanged off CUDA or when
+    the budget was given."""
+    tier_config = settings.tier_config()
+    derived = settings.derived_budgets
+    if engine.device.type != "cuda" or "device_budget_bytes" not in derived:
+        return tier_config
+    facts = probe_device(str(engine.device), total_memory_bytes())
+    budget = default_device_budget_bytes(facts)
+    quota = budget if "tenant_device_quota_bytes" in derived else min(tier_config.tenant_device_quota_bytes, budget)
+    log.info(
+        "device KV budget %.1f GiB: %s's free memory (%.1f of %.1f GiB) less headroom; set CHATKV_DEVICE_BUDGET_BYTES "
+        "to choose",
+        budget / 2**30,
+        engine.device,
+        (facts.free_bytes or 0) / 2**30,
+        (facts.total_bytes or 0) / 2**30,
+    )
+    return replace(tier_config, device_budget_bytes=budget, tenant_device_quota_bytes=quota)
 
 
 def _tenant_keys(settings: Settings, metadata: MetadataStore) -> TenantKeys:

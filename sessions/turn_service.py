@@ -14,6 +14,7 @@ stream), store it (one database transaction), commit its cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator
 
 from cache.ids import SessionId, TenantId
@@ -23,7 +24,7 @@ from cache.tiers import CacheKey
 from sessions.cancellation import CancelToken
 from sessions.errors import SessionBusy, SessionMoved, SessionNotFound
 from sessions.metrics import Metrics
-from sessions.records import Reply
+from sessions.records import Reply, TurnStats
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
 from sessions.sampling import SamplingParams
@@ -36,6 +37,10 @@ from sessions.turn.transcript import Transcript
 from storage.errors import SessionGone
 from storage.metadata_store import MetadataStore
 from storage.replica_store import OwnershipLost, OwnerToken
+
+turn_log = logging.getLogger("sessions.turns")
+"""One line per stored turn at `info` (`log_turn`); `chatkv serve --log-format json` makes its
+figures fields of their own."""
 
 
 class TurnService:
@@ -196,3 +201,26 @@ class TurnService:
         )
         # What this turn's prefill cost, for the next restore-or-recompute choice.
         self._runner.preparer.costs.prefilled(s.prefill_tokens, s.ttft_s - s.restore_s - s.queue_s)
+        log_turn(tenant_id, session_id, s)
+
+
+def log_turn(tenant_id: TenantId, session_id: SessionId, stats: TurnStats) -> None:
+    """Log a stored turn's figures on `sessions.turns` at `info`, as text and as `extra` fields:
+    `tenant`, `session`, `prefilled_tokens`, `cached_tokens` (served from cache), `restored_from`
+    (`device`, `host`, `disk`, `redis`, `rebuilt`, `new`, ...), `ttft_ms`, `decode_tokens` and
+    `decode_tokens_per_s` (tokens after the first over the time after it; `None` for one token)."""
+    if not turn_log.isEnabledFor(logging.INFO):
+        return
+    after_first = stats.decode_tokens - 1
+    per_s = round(after_first / stats.decode_s, 1) if after_first > 0 and stats.decode_s > 0 else None
+    fields = {
+        "tenant": tenant_id,
+        "session": session_id,
+        "prefilled_tokens": stats.prefill_tokens,
+        "cached_tokens": stats.reused_tokens,
+        "restored_from": stats.restored_from,
+        "ttft_ms": round(stats.ttft_s * 1000, 1),
+        "decode_tokens": stats.decode_tokens,
+        "decode_tokens_per_s": per_s,
+    }
+    turn_log.info(" ".join(f"{name}={value}" for name, value in fields.items()), extra=fields)

@@ -6,6 +6,10 @@ a private one to kill, and a three-master Redis Cluster)."""
 from __future__ import annotations
 
 import os
+
+# The tests never reach for the Hugging Face hub: every model is a local file (set before transformers
+# and huggingface_hub are imported, which read it once; child processes inherit it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import secrets
 from collections.abc import Iterator
 from pathlib import Path

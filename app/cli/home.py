@@ -47,10 +47,12 @@ def domain_errors() -> Iterator[None]:
     failures of the model, the key ring or the database exit 1."""
     from sqlalchemy.exc import OperationalError
 
-    from sessions import BackendUnavailable, ChatKVError, ModelUnavailable
+    from sessions import BackendUnavailable, ChatKVError, ModelNotFound, ModelUnavailable
 
     try:
         yield
+    except ModelNotFound as exc:  # a --model value that names nothing reachable
+        raise CLIError(str(exc), 2) from None
     except (ModelUnavailable, BackendUnavailable) as exc:  # the key ring, a Redis Cluster
         raise CLIError(str(exc), 1) from None
     except ChatKVError as exc:  # `InvalidSettings` among them: a bad master key, a replica id in use

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 import typer
 
 from app.cli.groups import CLIError, held_by_server
 from app.cli.home import domain_errors, home_dir, load_manager, settings_for
+from app.cli.logs import LogFormat, LogLevel, configure_logging
 from sessions import HomeLockedError, check_unlocked
 
 
@@ -18,8 +18,28 @@ def serve_command(
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 7860,
     local: Annotated[bool, typer.Option("--local", help="Single-tenant local mode: no API key asked.")] = False,
     model: Annotated[
-        str | None, typer.Option(help="'default' (bundled SmolLM2-135M-Instruct) or a local model directory.")
+        str | None,
+        typer.Option(
+            help="'default' (bundled SmolLM2-135M-Instruct), a local Hugging Face model folder, a .gguf file, "
+            "or a hub id such as HuggingFaceTB/SmolLM2-360M-Instruct (downloaded into the Hugging Face cache)."
+        ),
     ] = None,
+    log_level: Annotated[
+        LogLevel,
+        typer.Option(
+            envvar="CHATKV_LOG_LEVEL",
+            case_sensitive=False,
+            help="chatkv's and uvicorn's log level; 'info' logs each HTTP request and one line per turn.",
+        ),
+    ] = LogLevel.info,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option(
+            envvar="CHATKV_LOG_FORMAT",
+            case_sensitive=False,
+            help="'text' lines, or 'json': one JSON object per line (a turn's figures as fields).",
+        ),
+    ] = LogFormat.text,
 ) -> None:
     """Serve the chat UI at /, the admin API under /admin/ and Prometheus metrics at /metrics.
 
@@ -38,11 +58,9 @@ def serve_command(
         raise CLIError(str(exc), 1) from None
     try:
         settings = settings_for(ctx.obj, model=model)
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger("app").setLevel(logging.INFO)
-        logging.getLogger("sessions").setLevel(logging.INFO)  # why a turn rebuilt, replica start-up
+        configure_logging(log_level.value, log_format.value)
         with domain_errors():
-            serve(load_manager(settings), host=host, port=port, local=local, sockets=sockets)
+            serve(load_manager(settings), host=host, port=port, local=local, sockets=sockets, log_level=log_level.value)
     except HomeLockedError as exc:  # a server took the home while the model loaded
         raise CLIError(held_by_server(exc), 2) from None
     except ListenError as exc:

@@ -146,6 +146,7 @@ def serve(
     port: int = 7860,
     local: bool = False,
     sockets: list[socket.socket] | None = None,
+    log_level: str = "warning",
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM, both a normal end: exit code 0), holding the home
     lock and expiring idle implicit sessions (`SessionManager.start_retention_sweeps`); at the end
@@ -155,6 +156,8 @@ def serve(
     Args:
         sockets: from `bind_sockets(host, port)`, bound before the manager was made (default: bound
             here). They are closed at the end.
+        log_level: uvicorn's (`info` logs each request: its access log). Its records go to the root
+            logger's handlers (`app.cli.logs.configure_logging`), not to a configuration of its own.
 
     Raises:
         HomeLockedError: if another live server holds the same chatkv home.
@@ -190,7 +193,8 @@ def serve(
                         "machine reaches: set CHATKV_REPLICA_URL",
                         advertised,
                     )
-            server = _draining_server_class()(uvicorn.Config(app, host=host, port=port, log_level="warning"), manager)
+            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=None, access_log=True)
+            server = _draining_server_class()(config, manager)
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shut down gracefully
                 server.run(sockets=sockets)
             if not server.started:

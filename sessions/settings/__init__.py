@@ -12,10 +12,17 @@ Torch-free: the admin CLI imports it to talk to a server.
 from __future__ import annotations
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName
+from sessions.settings.checks import DtypeName, DtypeSetting, PersistMode, Precision, RoutingMode, WindowPolicyName
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import MAX_DURATION_S, env_variable, parse_bytes, parse_duration_s
-from sessions.settings.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL, REPLICA_ID_FILE, Settings, default_home
+from sessions.settings.settings import (
+    BUNDLED_MODEL_NAME,
+    DEFAULT_MODEL,
+    REPLICA_ID_FILE,
+    Settings,
+    default_home,
+    default_model_cache_dir,
+)
 
 __all__ = [
     "BUNDLED_MODEL_NAME",
@@ -23,6 +30,7 @@ __all__ = [
     "MAX_DURATION_S",
     "REPLICA_ID_FILE",
     "DtypeName",
+    "DtypeSetting",
     "ModelConfig",
     "PersistMode",
     "Precision",
@@ -35,6 +43,7 @@ __all__ = [
     "WindowConfig",
     "WindowPolicyName",
     "default_home",
+    "default_model_cache_dir",
     "env_variable",
     "parse_bytes",
     "parse_duration_s",

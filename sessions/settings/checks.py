@@ -14,6 +14,9 @@ Precision = Literal["exact", "int8", "int4"]
 PersistMode = Literal["on_evict", "write_back"]
 WindowPolicyName = Literal["turns", "attention"]
 DtypeName = Literal["float32", "bfloat16", "float16"]
+DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
+"""`auto`: bfloat16 on CUDA (float16 without bfloat16 support), float32 elsewhere
+(`sessions.device_defaults.default_dtype`)."""
 RoutingMode = Literal["forward", "handover"]
 
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
@@ -27,7 +30,7 @@ def _is_int(value: Any) -> bool:
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "persist": (lambda v: v in ("on_evict", "write_back"), "'on_evict' or 'write_back'"),
     "offload_precision": (lambda v: v in ("exact", "int8", "int4"), "'exact', 'int8' or 'int4'"),
-    "dtype": (lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    "dtype": (lambda v: v in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
     "device": (lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda, cuda:N or mps"),
     "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
     "window_policy": (lambda v: v in ("turns", "attention"), "'turns' or 'attention'"),

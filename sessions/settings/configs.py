@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sessions.settings.checks import (
-    DtypeName,
+    DtypeSetting,
     PersistMode,
     Precision,
     RoutingMode,
@@ -41,10 +41,12 @@ class ModelConfig:
     """Which model to load, where and how (`sessions.model_source.load_model`).
 
     Attributes:
-        model: `"default"` (the bundled SmolLM2-135M-Instruct) or a local Hugging Face model directory.
+        model: `"default"` (the bundled SmolLM2-135M-Instruct), a local Hugging Face model directory,
+            a `.gguf` file or a hub id (`sessions.model_source.resolve_model`).
         model_cache_dir: where the bundled GGUF is converted to safetensors once.
         device: `auto`, `cpu`, `cuda`, `cuda:N` or `mps` (`auto`: CUDA when available, else CPU).
-        dtype: the weights' (and so every KV cache's) precision.
+        dtype: the weights' (and so every KV cache's) precision; `auto`: bfloat16 on CUDA (float16
+            without bfloat16 support), float32 elsewhere.
         threads: torch intra-op threads; `None` keeps torch's default.
 
     Raises:
@@ -54,7 +56,7 @@ class ModelConfig:
     model: str
     model_cache_dir: Path
     device: str
-    dtype: DtypeName
+    dtype: DtypeSetting
     threads: int | None
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import platformdirs
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeName, PersistMode, Precision, RoutingMode, WindowPolicyName, check_field
+from sessions.settings.checks import DtypeSetting, PersistMode, Precision, RoutingMode, WindowPolicyName, check_field
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import env_variable, parse_field
 
@@ -35,7 +35,8 @@ BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 """The display name of the `DEFAULT_MODEL`."""
 
 
-def _total_memory_bytes() -> int:
+def total_memory_bytes() -> int:
+    """The machine's RAM in bytes (8 GiB where the platform does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -50,6 +51,12 @@ def default_home() -> Path:
 
 def _user_data_home() -> Path:
     return Path(platformdirs.user_data_dir("chatkv", appauthor=False))
+
+
+def default_model_cache_dir() -> Path:
+    """The per-user cache directory every home shares (`~/.cache/chatkv/models` on Linux, under
+    `$XDG_CACHE_HOME` when set): one converted copy of a model per machine and user."""
+    return Path(platformdirs.user_cache_dir("chatkv", appauthor=False)) / "models"
 
 
 _Cls = TypeVar("_Cls", bound=type)
@@ -105,8 +112,9 @@ class Settings:
 
     Budgets are bytes of KV cache (keys and values of every model layer, plus quantisation scales).
     `None` budgets are derived from the machine in `__post_init__`: device and host 25% of RAM each,
-    disk 25% of the free space under `home` capped at 64 GiB. On a GPU, set `device_budget_bytes`
-    to what the card can spare beside the model's weights and activations.
+    disk 25% of the free space under `home` capped at 64 GiB. On CUDA a derived device budget (and a
+    derived tenant quota) is replaced once the model is loaded by the GPU's free memory less a
+    headroom (`sessions.device_defaults`; `derived_budgets` names the derived ones).
 
     Raises:
         ValueError: for impossible values (non-positive budgets, a tenant quota above the device
@@ -116,14 +124,20 @@ class Settings:
 
     home: Path = field(default_factory=_user_data_home)
     model: str = DEFAULT_MODEL
-    """`"default"` for the bundled SmolLM2-135M-Instruct, or a local Hugging Face model directory."""
+    """`"default"` for the bundled SmolLM2-135M-Instruct, a local Hugging Face model directory, a
+    `.gguf` file (converted once into the model cache), or a hub id such as
+    `HuggingFaceTB/SmolLM2-360M-Instruct` (loaded through transformers' download and cache)."""
     model_cache_dir: Path | None = None
-    """Where the bundled GGUF is converted to safetensors once; default `home/models`."""
+    """Where converted models are kept (the bundled GGUF as safetensors), shared by every home on
+    the machine; default `~/.cache/chatkv/models` (`default_model_cache_dir`). Set it per home to
+    keep a home's own copy."""
     database_url: str | None = None
     """SQLAlchemy URL; default SQLite at `home/chatkv.db`."""
     device: str = "auto"
     """torch device for the model and the `device` tier; `auto` picks CUDA when available, else CPU."""
-    dtype: DtypeName = "float32"
+    dtype: DtypeSetting = "auto"
+    """The model's precision: `auto` (bfloat16 on CUDA, float16 on GPUs without bfloat16, float32
+    on a CPU), `float32`, `bfloat16` or `float16`."""
     threads: int | None = None
     """torch intra-op threads; `None` keeps torch's default."""
 
@@ -240,7 +254,11 @@ class Settings:
         self.tier_config()
 
     def _derive_budgets(self) -> None:
-        ram = _total_memory_bytes()
+        budgets = ("device_budget_bytes", "host_budget_bytes", "disk_budget_bytes", "tenant_device_quota_bytes")
+        # Not a field (equality, `replace` and the environment ignore it): which budgets the
+        # composition root may still set from the device it finds (a GPU's free memory).
+        object.__setattr__(self, "_derived_budgets", frozenset(n for n in budgets if getattr(self, n) is None))
+        ram = total_memory_bytes()
         defaults = {
             "device_budget_bytes": ram // 4,
             "host_budget_bytes": ram // 4,
@@ -342,12 +360,18 @@ class Settings:
     # -- derived values --------------------------------------------------------------------------
 
     @property
+    def derived_budgets(self) -> frozenset[str]:
+        """The budget fields that were not given (derived from the machine in `__post_init__`)."""
+        derived: frozenset[str] = getattr(self, "_derived_budgets", frozenset())
+        return derived
+
+    @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'chatkv.db'}"
 
     @property
     def resolved_model_cache_dir(self) -> Path:
-        return self.model_cache_dir or self.home / "models"
+        return self.model_cache_dir or default_model_cache_dir()
 
     @property
     def replica_mode(self) -> bool:

@@ -17,6 +17,7 @@ from sessions.settings import (
     Settings,
     TierConfig,
     WindowConfig,
+    default_model_cache_dir,
     env_variable,
 )
 
@@ -237,7 +238,7 @@ def test_the_model_config_carries_the_model_fields(monkeypatch: pytest.MonkeyPat
         model="/models/smol", model_cache_dir=Path("/srv/models"), device="cpu", dtype="bfloat16", threads=3
     )
     monkeypatch.delenv("CHATKV_MODEL_CACHE_DIR")
-    assert Settings(home=Path("/srv/h")).model_config().model_cache_dir == Path("/srv/h/models")
+    assert Settings(home=Path("/srv/h")).model_config().model_cache_dir == default_model_cache_dir()
     with pytest.raises(ValueError, match=r"^device must be auto, cpu, cuda, cuda:N or mps, got 'tpu'$"):
         replace(config, device="tpu")
     with pytest.raises(ValueError, match=r"^threads must be >= 1, got 0$"):

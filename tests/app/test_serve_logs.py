@@ -1,0 +1,138 @@
+"""`chatkv serve`'s logs: the access log and one line per turn from a real server process (its
+stderr, in JSON), the text format of a turn's line, and refused log levels and formats."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import app
+from app.cli.logs import configure_logging
+from cache.ids import SessionId, TenantId
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from sessions.records import TurnStats
+from sessions.turn_service import log_turn
+from tests.app.server_process import chatkv_serve, free_port
+from tests.conftest import MASTER_KEY, cli_environment, make_settings
+
+ServerLog = tuple[list[dict], tuple[str, str], dict]
+
+
+@pytest.fixture(scope="module")
+def json_server_log(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_engine: Engine
+) -> Iterator[ServerLog]:
+    """(the server's stderr as JSON objects, (tenant id, session id), the turn's answer) after one
+    `/v1/chat/completions` turn in a new session on a server started with `CHATKV_LOG_FORMAT=json`,
+    then stopped."""
+    root = tmp_path_factory.mktemp("serve-logs")
+    home = root / "home"
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        key = manager.issue_api_key(tenant)
+        session_id = manager.open_session(tenant)
+        model = manager.model_name
+    log = root / "server.log"
+    with chatkv_serve(home, str(tiny_model_dir), log, log_format="json") as server:
+        answer = httpx.post(
+            f"{server.v1}/chat/completions",
+            headers={"Authorization": f"Bearer {key}", "X-Session-ID": session_id},
+            json={"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    yield [json.loads(line) for line in lines], (tenant.id, session_id), answer.json()
+
+
+def test_each_line_of_the_json_log_is_an_object_with_level_logger_and_message(
+    json_server_log: ServerLog,
+) -> None:
+    records, _, _ = json_server_log
+    assert records
+    for record in records:
+        assert {"time", "level", "logger", "message"} <= record.keys(), record
+    assert any(r["logger"] == "app.http.server" and r["message"] == "chatkv stopped" for r in records)
+
+
+def test_the_access_log_has_a_line_per_request(json_server_log: ServerLog) -> None:
+    records, _, _ = json_server_log
+    access = [r["message"] for r in records if r["logger"] == "uvicorn.access"]
+    assert any(message.endswith('"POST /v1/chat/completions HTTP/1.1" 200') for message in access), access
+    assert any(message.endswith('"GET /healthz HTTP/1.1" 200') for message in access), access
+
+
+def test_a_turn_is_one_line_with_its_figures_as_fields(
+    json_server_log: ServerLog,
+) -> None:
+    records, (tenant, session), answer = json_server_log
+    [turn] = [r for r in records if r["logger"] == "sessions.turns"]
+    usage = answer["usage"]
+    assert turn["level"] == "INFO"
+    assert turn["tenant"] == tenant
+    assert turn["session"] == session
+    assert turn["prefilled_tokens"] == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert turn["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert turn["restored_from"] == "new"
+    assert turn["decode_tokens"] == usage["completion_tokens"]
+    assert turn["ttft_ms"] > 0
+    assert turn["message"].startswith(f"tenant={tenant} session={session} prefilled_tokens=")
+
+
+def test_a_turn_line_in_text_format_names_each_figure() -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging("info", "text", stream)
+        stats = TurnStats(prefill_tokens=12, reused_tokens=30, ttft_s=0.0421, decode_tokens=5, decode_s=0.2)
+        log_turn(TenantId("tn_a"), SessionId("s_b"), stats)
+        logging.getLogger("transformers.noise").info("not shown: other libraries log from warning up")
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert stream.getvalue().splitlines() == [
+        "INFO sessions.turns: tenant=tn_a session=s_b prefilled_tokens=12 cached_tokens=30 restored_from=new "
+        "ttft_ms=42.1 decode_tokens=5 decode_tokens_per_s=20.0"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["serve", "--log-level", "loud"], {}),
+        (["serve"], {"CHATKV_LOG_LEVEL": "loud"}),
+        (["serve", "--log-format", "xml"], {}),
+    ],
+)
+def test_an_unknown_log_level_or_format_is_exit_code_2_with_one_line(
+    tmp_path: Path, args: list[str], env: dict[str, str]
+) -> None:
+    result = CliRunner().invoke(app, args, env=cli_environment(CHATKV_HOME=str(tmp_path / "home"), **env))
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: Invalid value for '--log-")
+    assert not (tmp_path / "home").exists()
+
+
+def test_serve_with_a_hub_id_offline_exits_2_with_one_line(tmp_path: Path) -> None:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        result = CliRunner().invoke(
+            app,
+            ["serve", "--port", str(free_port()), "--model", "HuggingFaceTB/SmolLM2-360M-Instruct"],
+            env=cli_environment(CHATKV_HOME=str(tmp_path / "home"), CHATKV_MASTER_KEY=MASTER_KEY),
+        )
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: cannot download HuggingFaceTB/SmolLM2-360M-Instruct: the Hugging Face hub")
