@@ -369,9 +369,9 @@ def test_a_home_without_the_deployments_master_key_is_refused_not_given_a_new_on
     assert listed.exit_code == 0 and "beta" not in listed.stdout and "acme" in listed.stdout
 
 
-def test_missing_model_exits_1(cli: Cli, tmp_path: Path) -> None:
+def test_missing_model_is_bad_input_exit_2(cli: Cli, tmp_path: Path) -> None:
     cli.ok("tenants", "list")  # needs no model
-    assert_one_line_error(cli("tenants", "create", "acme", CHATKV_MODEL=str(tmp_path / "no-model")), code=1)
+    assert_one_line_error(cli("tenants", "create", "acme", CHATKV_MODEL=str(tmp_path / "no-model")), code=2)
 
 
 # -- operations --------------------------------------------------------------------------------
