@@ -317,6 +317,8 @@ class SessionManager:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        min_new_tokens: int = 0,
+        ignore_eos: bool = False,
         cancel: CancelToken | None = None,
     ) -> Reply:
         """Send a user message and return the reply. See `stream_chat` for the errors."""
@@ -330,6 +332,8 @@ class SessionManager:
             top_p=top_p,
             seed=seed,
             stop=stop,
+            min_new_tokens=min_new_tokens,
+            ignore_eos=ignore_eos,
             cancel=cancel,
         ):
             if isinstance(item, Reply):
@@ -349,6 +353,8 @@ class SessionManager:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        min_new_tokens: int = 0,
+        ignore_eos: bool = False,
         expected_turns: int | None = None,
         cancel: CancelToken | None = None,
     ) -> Generator[str | Reply, None, None]:
@@ -358,6 +364,9 @@ class SessionManager:
         Args:
             stop: up to 4 strings that end the reply once its text contains one; `Reply.text`
                 ends before it, and the transcript and the cache hold the reply as returned.
+            min_new_tokens: no stop token or stop string ends the reply before it has this many
+                tokens (`SamplingParams`). ignore_eos: no stop token ends it (it runs to
+                `max_new_tokens` unless a stop string ends it).
             expected_turns: continue only if the session has exactly this many turns (it was found
                 by its history, and another turn may have got there first).
             cancel: set by the caller to stop the turn (its client went away): the turn raises
@@ -373,7 +382,7 @@ class SessionManager:
             TurnCancelled: `cancel` was set before the reply was complete.
         """
         self._check_open()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, seed, min_new_tokens, ignore_eos)
         stop_strings = StopStrings(stop)
         check_text(message, "message", MAX_MESSAGE_CHARS)
         if not message.strip():
@@ -395,6 +404,8 @@ class SessionManager:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        min_new_tokens: int = 0,
+        ignore_eos: bool = False,
         cancel: CancelToken | None = None,
     ) -> HistoryTurn:
         """A turn for a conversation its client brings along whole (the stateless pattern of
@@ -408,7 +419,7 @@ class SessionManager:
         Raises (at the first item): as `stream_chat`, and `HistoryTooLong`.
         """
         self._check_open()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, seed, min_new_tokens, ignore_eos)
         stop_strings = StopStrings(stop)
         check_text(message, "message", MAX_MESSAGE_CHARS)
         if not message.strip():

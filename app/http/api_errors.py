@@ -1,4 +1,5 @@
-"""Errors of the `/v1/` API in OpenAI's shape: `{"error": {"message", "type", "code"}}` with a 4xx.
+"""Errors of the `/v1/` API in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`
+with a 4xx (`param`: the offending field, or null).
 
 Stock OpenAI clients read `error.message`, raise by status (400 `BadRequestError`, 401
 `AuthenticationError`, 404 `NotFoundError`, 409 `ConflictError`, 413, 429 `RateLimitError`) and
@@ -7,6 +8,12 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
     status  type                    code                                   raised by
     400     invalid_request_error   invalid_request                        bad JSON, wrong types, `InvalidInput`
     400     invalid_request_error   unsupported_parameter                  n != 1, tools, images, ...
+    400     invalid_request_error   unrecognized_request_argument          a body field the route does not know
+                                                                           (OpenAI's "Unrecognized request
+                                                                           argument supplied: foo")
+    404     invalid_request_error   unknown_url                            no `/v1/` route has the path
+    405     invalid_request_error   method_not_allowed                     the path's routes take other methods
+                                                                           (`Allow` names them)
     401     invalid_request_error   invalid_api_key                        missing or wrong bearer key
     404     invalid_request_error   model_not_found / session_not_found    `model`, `SessionNotFound`
     409     invalid_request_error   session_busy                           `SessionBusy`
@@ -102,10 +109,23 @@ def error_response(
 
 def error_body(status: int, message: str, code: str, *, param: str | None = None) -> dict[str, Any]:
     kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
-    error: dict[str, Any] = {"message": message, "type": kind, "code": code}
-    if param is not None:
-        error["param"] = param
-    return {"error": error}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def unknown_url(method: str, path: str) -> JSONResponse:
+    """404 for a `/v1/` path no route has (OpenAI's `unknown_url`)."""
+    message = f"Unknown request URL: {method} {path}. Please check the URL for typos; the routes are listed at "
+    return error_response(404, message + "/openapi.json.", "unknown_url")
+
+
+def method_not_allowed(method: str, path: str, allowed: list[str]) -> JSONResponse:
+    """405 for a `/v1/` path whose routes take other methods, named in `Allow`."""
+    return error_response(
+        405,
+        f"Invalid method for URL ({method} {path}): it takes {', '.join(allowed)}",
+        "method_not_allowed",
+        headers={"Allow": ", ".join(allowed)},
+    )
 
 
 def unauthorized() -> JSONResponse:
@@ -129,6 +149,11 @@ def response_for(exc: Exception) -> JSONResponse:
     if isinstance(exc, ChatKVError):
         return error_response(exc.http_status, str(exc), _code(exc))
     if isinstance(exc, RequestValidationError):
+        unknown = unrecognized_fields(exc)
+        if unknown:
+            noun = "argument" if len(unknown) == 1 else "arguments"
+            message = f"Unrecognized request {noun} supplied: {', '.join(unknown)}"
+            return error_response(400, message, "unrecognized_request_argument", param=unknown[0])
         message, param = validation_message(exc)
         return error_response(400, message, "invalid_request", param=param)
     if isinstance(exc, DATABASE_ERRORS):
@@ -155,6 +180,15 @@ def _code(exc: ChatKVError) -> str:
         if isinstance(exc, kind):
             return code
     return "invalid_request" if exc.http_status < 500 else "server_error"
+
+
+def unrecognized_fields(exc: RequestValidationError) -> list[str]:
+    """The body fields a route's model does not declare (`extra="forbid"`), as dotted paths."""
+    return [
+        ".".join(str(p) for p in error.get("loc", ()) if not _is_location_noise(p))
+        for error in exc.errors()
+        if error.get("type") == "extra_forbidden"
+    ]
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -140,9 +140,19 @@ class TurnParams:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        check_turn_parameters(self.max_new_tokens, self.temperature, self.top_p, self.seed, self.stop)
+        check_turn_parameters(
+            self.max_new_tokens,
+            self.temperature,
+            self.top_p,
+            self.seed,
+            self.stop,
+            min_new_tokens=self.min_new_tokens,
+            ignore_eos=self.ignore_eos,
+        )
 
     def keywords(self) -> dict[str, Any]:
         """These parameters as the keywords of `SessionManager.stream_chat` and `continue_history`."""
@@ -152,6 +162,8 @@ class TurnParams:
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": self.stop,
+            "min_new_tokens": self.min_new_tokens,
+            "ignore_eos": self.ignore_eos,
         }
 
     def stream(

@@ -15,10 +15,14 @@ role first, then content deltas, then the finish reason, then (with `stream_opti
 the usage, then `data: [DONE]`. `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens
 chatkv served from its cache instead of prefilling them.
 
-Not supported, refused with 400 (`unsupported_parameter`): `n` other than 1, tools and functions
-(and tool messages), content parts other than text (images, audio, files), logprobs, a
-`response_format` other than text, penalties and `logit_bias`. Other unknown fields are ignored.
-Defaults follow OpenAI: `temperature` 1, `top_p` 1; `max_tokens` defaults to 256.
+Every field of OpenAI's request is known (`app.http.chat_request`, docs/openai.md): honoured,
+accepted without effect on the reply (`user`, `metadata`, ...), or refused with 400
+`unsupported_parameter` unless neutral (`n` other than 1, tools and functions and tool messages,
+content parts other than text, logprobs, a `response_format` other than text, penalties,
+`logit_bias`, ...). A field chatkv does not know is refused with 400
+`unrecognized_request_argument` naming it, never ignored. vLLM's extensions `min_tokens` and
+`ignore_eos` are honoured (`SamplingParams`), chatkv's `session_id` names the session. Defaults
+follow OpenAI: `temperature` 1, `top_p` 1; `max_tokens` defaults to 256.
 
 Limits: at most 2,048 `messages` (OpenAI's; 400 `array_above_max_length`), and a posted history of
 at most 8 times the model's context in tokens (413 `context_length_exceeded`, counted before any
@@ -38,7 +42,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from app.http.api_auth import bearer_scheme, tenant_of
 from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
@@ -47,13 +51,19 @@ from app.http.api_turns import (
     REPLAYED_HEADER,
     IdempotencyGuard,
     StartedTurn,
-    TurnParams,
     Usage,
     check_message,
     continue_history,
     named_turn,
     run_watching_disconnect,
     usage,
+)
+from app.http.chat_request import (
+    SESSION_HEADER,
+    ChatCompletionRequest,
+    ChatMessage,
+    refuse_unsupported,
+    turn_params,
 )
 from app.http.forwarding import Forwarder
 from app.http.sse import DONE, EventStream, event
@@ -69,66 +79,8 @@ from sessions import (
     check_text,
 )
 
-DEFAULT_MAX_TOKENS = 256
 MAX_MESSAGES = 2048
 """Messages one request may post (OpenAI's limit): the history and the new message."""
-SESSION_HEADER = "X-Session-ID"
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: str = Field(description="`text`; other kinds (images, audio, files) are refused.")
-    text: str | None = Field(default=None, description="The text of a `text` part.")
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    role: str = Field(description="`system` (or `developer`), `user` or `assistant`.")
-    content: str | list[ContentPart] | None = Field(
-        default=None, description="The text, or a list of `text` parts (joined)."
-    )
-    name: str | None = Field(default=None, description="Accepted and ignored.")
-    tool_calls: list[Any] | None = Field(default=None, description="Refused: tools are not supported.")
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    include_usage: bool = Field(default=False, description="Send a last chunk with `usage` before `[DONE]`.")
-
-
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request (the subset chatkv serves)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    model: str = Field(description="The served model's id (`GET /v1/models`).")
-    messages: list[ChatMessage] = Field(
-        min_length=1,
-        description="An optional system message, then alternating user and assistant messages ending with a "
-        "user message. With a session id: only the new user message (and optionally the session's system "
-        "message).",
-    )
-    max_tokens: int | None = Field(default=None, description=f"Most tokens to generate (default {DEFAULT_MAX_TOKENS}).")
-    max_completion_tokens: int | None = Field(default=None, description="Same as `max_tokens`; takes precedence.")
-    temperature: float | None = Field(default=None, description="Sampling temperature, >= 0 (default 1; 0 is greedy).")
-    top_p: float | None = Field(default=None, description="Nucleus sampling mass in (0, 1] (default 1).")
-    seed: int | None = Field(default=None, description="Makes sampling at temperature > 0 reproducible.")
-    stop: str | list[str] | None = Field(
-        default=None, description="Up to 4 strings; the reply ends before the first one it produces."
-    )
-    stream: bool = Field(default=False, description="Answer with server-sent `chat.completion.chunk` events.")
-    stream_options: StreamOptions | None = None
-    session_id: str | None = Field(
-        default=None, description=f"Continue this session (same as the `{SESSION_HEADER}` header)."
-    )
-    n: int | None = Field(default=None, description="Must be 1 when given.")
-    tools: list[Any] | None = Field(default=None, description="Refused: tools are not supported.")
-    tool_choice: Any = Field(default=None, description="Refused unless `none`.")
-    functions: list[Any] | None = Field(default=None, description="Refused: functions are not supported.")
-    function_call: Any = Field(default=None, description="Refused unless `none`.")
 
 
 class AssistantMessage(BaseModel):
@@ -257,6 +209,7 @@ def _route(
     """Where the turn runs among replicas: its named session's route, or that of the session its
     posted history continues or forks (`SessionManager.route_turn`, `route_history`)."""
     _check_model(manager, body.model)
+    refuse_unsupported(body)  # before a forward: refused here, not on the session's owner
     conversation = parse_messages(body.messages)
     session_id = _session_id(x_session_id, body.session_id)
     if session_id is not None:
@@ -276,8 +229,8 @@ def _complete(
     """The blocking part of `POST /chat/completions` (run in the threadpool): check, claim the
     idempotency key, run the turn to its first piece (streamed) or to its end."""
     _check_model(manager, body.model)
-    _refuse_unsupported(body)
-    params = _turn_params(body)
+    refuse_unsupported(body)
+    params = turn_params(body)
     conversation = parse_messages(body.messages)
     session_id = _session_id(x_session_id, body.session_id)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -339,40 +292,6 @@ def _check_model(manager: SessionManager, model: str) -> None:
             "model_not_found",
             param="model",
         )
-
-
-def _refuse_unsupported(body: ChatCompletionRequest) -> None:
-    extra = body.model_extra or {}
-    if body.n not in (None, 1):
-        raise unsupported("`n` other than 1 is", "n")
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise unsupported("tools and functions are", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise unsupported("tools and functions are", name)
-    if extra.get("logprobs") or extra.get("top_logprobs"):
-        raise unsupported("logprobs are", "logprobs")
-    response_format = extra.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise unsupported("a `response_format` other than text is", "response_format")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if extra.get(name) not in (None, 0, 0.0):
-            raise unsupported(f"`{name}` is", name)
-    if extra.get("logit_bias"):
-        raise unsupported("`logit_bias` is", "logit_bias")
-
-
-def _turn_params(body: ChatCompletionRequest) -> TurnParams:
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    return TurnParams(
-        max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        seed=body.seed,
-        stop=stop,
-    )
 
 
 def parse_messages(messages: list[ChatMessage]) -> Conversation:

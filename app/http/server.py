@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
@@ -107,6 +107,7 @@ def build_app(
     app.state.prefetcher = prefetcher
     app.include_router(openai_router(manager, route_class, forwarder), prefix="/v1")
     app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
+    _answer_unrouted_v1(app)
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui
 
@@ -137,6 +138,34 @@ def build_app(
         css=UI_CSS,
         i18n=gr.I18n(**UI_TRANSLATIONS),
     )
+
+
+_METHODS = ["DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT"]
+
+
+def _answer_unrouted_v1(app: FastAPI) -> None:
+    """Answer a `/v1/` request no route takes in OpenAI's error shape: 404 `unknown_url`, or 405
+    `method_not_allowed` when routes have the path with other methods. Without this, the UI
+    mounted at `/` would answer it with its own `{"detail": "Not Found"}`. Must be added after
+    the `/v1/` routers and before the UI: it matches every path and method under `/v1`, and only
+    the routes there before it count."""
+    from starlette.routing import Match
+
+    from app.http.api_errors import method_not_allowed, unknown_url
+
+    known = list(app.router.routes)
+
+    def unrouted(request: Request) -> JSONResponse:
+        method, path = request.method, request.url.path
+        allowed = [
+            other
+            for other in _METHODS
+            if any(route.matches({"type": "http", "path": path, "method": other})[0] is Match.FULL for route in known)
+        ]
+        return method_not_allowed(method, path, allowed) if allowed else unknown_url(method, path)
+
+    for path in ("/v1", "/v1/{path:path}"):
+        app.add_api_route(path, unrouted, methods=_METHODS, include_in_schema=False)
 
 
 def serve(

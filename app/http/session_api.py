@@ -144,6 +144,12 @@ class MessageCreate(BaseModel):
     stop: str | list[str] | None = Field(
         default=None, description="Up to 4 strings; the reply ends before the first one it produces."
     )
+    min_tokens: int = Field(
+        default=0, description="No end-of-turn token or stop string ends the reply before it has this many tokens."
+    )
+    ignore_eos: bool = Field(
+        default=False, description="The end-of-turn token is never sampled: the reply runs to `max_tokens`."
+    )
     stream: bool = Field(
         default=False,
         description="Answer with server-sent events: `session.message.delta` events, then the "
@@ -292,7 +298,15 @@ def _send(
 ) -> Response:
     """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    params = TurnParams(body.max_tokens, body.temperature, body.top_p, body.seed, stop)
+    params = TurnParams(
+        body.max_tokens,
+        body.temperature,
+        body.top_p,
+        body.seed,
+        stop,
+        min_new_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )
     message = check_message(body.content, "content")
     guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
     if guard.replay is not None:

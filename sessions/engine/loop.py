@@ -208,7 +208,7 @@ class EngineLoop:
             if request.sampled_logits is not None:
                 request.sampled_logits.append(row_logits.detach().to("cpu", torch.float32).clone())
             try:
-                token = request.sampler(row_logits)
+                token = request.sample(row_logits)
             # One request's bad row (NaN logits, a sampler bug) fails that request, not the step.
             except Exception as exc:  # noqa: BLE001
                 log.warning("request %s: sampling failed: %s", request.id, exc)

@@ -223,6 +223,21 @@ class Request:
         self.working = None  # frees the buffer now; nobody will read it
         self._channel.put(self._cancel_error or RequestCancelled(f"request {self.id} was cancelled"))
 
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token from this request's `[vocab]` logits row (its own sampler). While its
+        parameters forbid ending the reply (`min_new_tokens` not reached, or `ignore_eos`), the stop
+        tokens' logits are masked to -inf in a copy of the row, so other rows are untouched.
+
+        Raises:
+            RuntimeError: for a prefill-only request (it samples nothing).
+        """
+        if self.sampler is None or self.params is None:
+            raise RuntimeError(f"bug: prefill-only request {self.id} asked to sample")
+        if self.stop_token_ids and not self.params.stop_tokens_allowed(len(self.generated)):
+            stop = torch.tensor(sorted(self.stop_token_ids), dtype=torch.long, device=logits.device)
+            logits = logits.index_fill(0, stop, float("-inf"))
+        return self.sampler(logits)
+
     def wants_to_stop(self, token: int) -> bool:
         """After sampling `token`: is the reply complete (a stop token, or the length limit)?"""
         if self.params is None:

@@ -1,24 +1,43 @@
 """Streaming detokenisation that never splits a character.
 
 Byte-level BPE tokens can end in the middle of a multi-byte UTF-8 character (CJK, emoji); decoding
-such a prefix yields U+FFFD. A piece is released only when the decoded text does not end in U+FFFD,
-so the pieces joined are exactly the text of all the ids.
+such a prefix yields U+FFFD. A piece is released only once the characters it ends with are
+complete, so the pieces joined are exactly the text of all the ids (`tokenizer.decode`).
+
+A fast tokenizer (one with a `tokenizers` backend) is followed with the tokenizers library's
+incremental `DecodeStream`, which decodes a short window of recent ids per token (it returns
+`None` while a character is incomplete): about 1 µs a token where re-decoding the whole reply
+for every token grows with the reply (`benchmarks/detokenize.py`: a 2,000-token reply,
+hundreds of times faster). A tokenizer without that backend falls back to re-decoding the reply
+so far and releasing what was added, holding back a decoded tail that ends in U+FFFD.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Turns generated ids into text pieces. `text` is the concatenation of the pieces released."""
+    """Turns generated ids into text pieces. `text` is the concatenation of the pieces released.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (`decode(ids, skip_special_tokens=...,
+            clean_up_tokenization_spaces=...)`); a fast one is followed with `DecodeStream`.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self.text = ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: tuple[DecodeStream, Tokenizer] | None = None
+        if isinstance(backend, Tokenizer):
+            self._stream = (DecodeStream(skip_special_tokens=False), backend)
 
     def _decode(self) -> str:
         return str(self._tokenizer.decode(self._ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
@@ -26,15 +45,24 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add a token; return the newly complete text (possibly empty)."""
         self._ids.append(token_id)
-        decoded = self._decode()
-        if decoded.endswith(REPLACEMENT) or not decoded.startswith(self.text):
-            return ""
-        piece = decoded[len(self.text) :]
-        self.text = decoded
+        if self._stream is not None:
+            stream, backend = self._stream
+            piece = stream.step(backend, token_id) or ""
+        else:
+            decoded = self._decode()
+            if decoded.endswith(REPLACEMENT) or not decoded.startswith(self.text):
+                return ""
+            piece = decoded[len(self.text) :]
+        self.text += piece
         return piece
 
     def finish(self) -> str:
-        """Release what is left (an incomplete character at the very end stays as U+FFFD)."""
+        """Release what is left (an incomplete character at the very end stays as U+FFFD): one
+        decode of the whole reply, which the pieces released so far must begin.
+
+        Raises:
+            RuntimeError: if they do not (a tokenizer whose `decode` post-processes the text).
+        """
         decoded = self._decode()
         if not decoded.startswith(self.text):
             raise RuntimeError("bug: the tokenizer decoded a prefix differently from the whole")

@@ -4,7 +4,8 @@ reply and completes it (`complete_turn`). Nothing is stored here: the manager st
 
 A turn with stop strings ends early once its text contains one (`sessions.turn.stop_strings`): the
 request is finished at the loop's next step and the reply returned is cut before the stop string
-(what the turn then stores: `sessions.turn.completion`).
+(what the turn then stores: `sessions.turn.completion`). With `min_new_tokens`, neither a stop
+token (masked in sampling: `Request.sample`) nor a stop string ends a reply before that many tokens.
 
 The runner also keeps count of what is in flight: the turns being prepared, per tenant (they show
 as running turns), and each session's engine request, so a deleted session or a closing manager
@@ -178,7 +179,7 @@ class TurnRunner:
         engine = self.engine
         request = self._request(prepared, params, lease)
         detokenizer = IncrementalDetokenizer(engine.tokenizer)
-        scanner = StopScanner(stop)
+        scanner = StopScanner(stop, armed=params.min_new_tokens == 0)
         generated: list[int] = []
         ttft_s = 0.0
         decode_started = time.perf_counter()
@@ -196,7 +197,10 @@ class TurnRunner:
                 generated.append(token)
                 # After a stop string the loop may have sampled a few more tokens: they are fed to
                 # the cache, so they are kept (and decoded for the stored text) but not returned.
-                if token in engine.stop_token_ids or not detokenizer.push(token) or scanner.cut is not None:
+                fresh = token not in engine.stop_token_ids and detokenizer.push(token)
+                if len(generated) == params.min_new_tokens:  # stop strings count from here
+                    scanner.arm(len(detokenizer.text))
+                if not fresh or scanner.cut is not None:
                     continue
                 piece = scanner.push(detokenizer.text)
                 if scanner.cut is not None:

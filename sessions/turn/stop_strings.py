@@ -54,9 +54,8 @@ class StopStrings:
 
     def find(self, text: str, start: int = 0) -> int | None:
         """Index in `text` of the earliest stop string that ends after `start`, or `None`."""
-        longest = max((len(s) for s in self.strings), default=0)
-        begin = max(0, start - longest + 1)
-        found = [i for i in (text.find(s, begin) for s in self.strings) if i >= 0]
+        # An occurrence at i ends at i + len(s): it ends after `start` exactly when i > start - len(s).
+        found = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in self.strings) if i >= 0]
         return min(found) if found else None
 
     def safe_end(self, text: str) -> int:
@@ -72,10 +71,17 @@ NO_STOP = StopStrings()
 
 
 class StopScanner:
-    """Follows a reply's growing text; says what to release and where a stop string cuts it."""
+    """Follows a reply's growing text; says what to release and where a stop string cuts it.
 
-    def __init__(self, stop: StopStrings) -> None:
+    A scanner made with `armed=False` (a turn with `min_new_tokens`) looks for no stop string until
+    `arm(length)`; then only stop strings ending after the first `length` characters cut the reply,
+    as vLLM applies `min_tokens` to stop strings. Text that could begin a stop string is held back
+    all the same, so a stop string across the boundary cuts text that was never released.
+    """
+
+    def __init__(self, stop: StopStrings, *, armed: bool = True) -> None:
         self._stop = stop
+        self.armed = armed
         self.released = 0
         """Characters of the text released so far."""
         self.cut: int | None = None
@@ -89,10 +95,17 @@ class StopScanner:
             return ""
         end = len(text)
         if self._stop:
-            self.cut = self._stop.find(text, self._scanned)
-            self._scanned = len(text)
+            if self.armed:
+                self.cut = self._stop.find(text, self._scanned)
+                self._scanned = len(text)
             end = self.cut if self.cut is not None else self._stop.safe_end(text)
         return self._release(text, end)
+
+    def arm(self, length: int) -> None:
+        """Look for stop strings from now on, those ending after the first `length` characters."""
+        if not self.armed:
+            self.armed = True
+            self._scanned = length
 
     def finish(self, text: str) -> str:
         """The rest of the returned text once the reply ended (the held-back tail, if no stop)."""

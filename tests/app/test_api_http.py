@@ -211,6 +211,7 @@ def test_the_key_is_checked_before_the_body_is_read_and_the_body_is_limited(serv
             "error": {
                 "message": f"request body too large: the limit here is {limit:,} bytes",
                 "type": "invalid_request_error",
+                "param": None,
                 "code": "request_too_large",
             }
         },
@@ -582,6 +583,30 @@ BAD_REQUESTS: list[tuple[str, Any, int, str, str]] = [
     ("unknown-model", {"model": "gpt-4o"}, 404, "model_not_found", "gpt-4o"),
     ("unknown-session", {"session_id": "s_missing"}, 404, "session_not_found", "s_missing"),
     ("context-too-long", {"max_tokens": 100_000}, 413, "context_length_exceeded", "too long"),
+    ("unknown-field", {"foo": 1}, 400, "unrecognized_request_argument", "Unrecognized request argument supplied: foo"),
+    (
+        "unknown-fields",
+        {"foo": 1, "best_of": 2},
+        400,
+        "unrecognized_request_argument",
+        "Unrecognized request arguments supplied: foo, best_of",
+    ),
+    (
+        "unknown-stream-option",
+        {"stream_options": {"include_usage": True, "foo": 1}},
+        400,
+        "unrecognized_request_argument",
+        "stream_options.foo",
+    ),
+    ("top-k", {"top_k": 5}, 400, "unsupported_parameter", "`top_k`"),
+    ("repetition-penalty", {"repetition_penalty": 1.2}, 400, "unsupported_parameter", "`repetition_penalty`"),
+    ("stop-token-ids", {"stop_token_ids": [5]}, 400, "unsupported_parameter", "`stop_token_ids`"),
+    ("store-false", {"store": False}, 400, "unsupported_parameter", "`store: false`"),
+    ("reasoning-effort", {"reasoning_effort": "low"}, 400, "unsupported_parameter", "`reasoning_effort`"),
+    ("audio-modality", {"modalities": ["text", "audio"]}, 400, "unsupported_parameter", "modality"),
+    ("min-tokens-over-max", {"min_tokens": 5}, 400, "invalid_request", "min_new_tokens must be"),
+    ("negative-min-tokens", {"min_tokens": -1}, 400, "invalid_request", "min_new_tokens must be"),
+    ("ignore-eos-not-bool", {"ignore_eos": "yes"}, 400, "invalid_request", "ignore_eos"),
 ]
 
 
@@ -601,6 +626,85 @@ def test_a_bad_request_gets_a_clear_4xx_and_changes_nothing(
         )
     assert message in _error(response, status, code)
     assert server.stored() == before
+
+
+def test_an_unknown_field_is_named_in_param_and_neutral_or_label_fields_change_nothing(server: Server) -> None:
+    unknown = server.post("/chat/completions", _chat(server, foo=1))
+    assert unknown.json()["error"] == {
+        "message": "Unrecognized request argument supplied: foo",
+        "type": "invalid_request_error",
+        "param": "foo",
+        "code": "unrecognized_request_argument",
+    }
+    labels = {
+        "user": "u1",
+        "safety_identifier": "s1",
+        "metadata": {"k": "v"},
+        "store": True,
+        "prompt_cache_key": "k",
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "modalities": ["text"],
+        "n": 1,
+        "tool_choice": "none",
+        "logprobs": False,
+        "presence_penalty": 0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "stop_token_ids": [],
+        "min_tokens": 0,
+        "ignore_eos": False,
+        "stream_options": {"include_obfuscation": False},
+    }
+    plain = server.post("/chat/completions", _chat(server, "Same reply?", temperature=0))
+    labelled = server.post("/chat/completions", _chat(server, "Same reply?", temperature=0, **labels))
+    assert (plain.status_code, labelled.status_code) == (200, 200), labelled.text
+    assert labelled.json()["choices"] == plain.json()["choices"]
+
+
+def test_every_field_the_official_client_sends_is_known() -> None:
+    from openai.types.chat.completion_create_params import CompletionCreateParamsStreaming
+
+    from app.http.chat_request import ChatCompletionRequest
+
+    sent = set(CompletionCreateParamsStreaming.__annotations__)
+    assert sent - set(ChatCompletionRequest.model_fields) == set()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("GET", "/v1/foo", 404, None),
+        ("POST", "/v1/chat/completion", 404, None),
+        ("GET", "/v1", 404, None),
+        ("GET", "/v1/chat/completions", 405, "POST"),
+        ("DELETE", "/v1/models", 405, "GET"),
+        ("PUT", "/v1/sessions/s_x", 405, "DELETE, GET"),
+    ],
+)
+def test_a_v1_route_that_does_not_exist_is_answered_in_openais_shape(
+    server: Server, method: str, path: str, status: int, allow: str | None
+) -> None:
+    response = httpx.request(method, server.url.removesuffix("/v1") + path, timeout=30)
+    assert response.status_code == status, response.text
+    assert response.headers.get("allow") == allow
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", None)
+    if status == 404:
+        assert error["code"] == "unknown_url"
+        assert error["message"].startswith(f"Unknown request URL: {method} {path}. Please check the URL for typos")
+    else:
+        message = f"Invalid method for URL ({method} {path}): it takes {allow}"
+        assert (error["code"], error["message"]) == ("method_not_allowed", message)
+
+
+def test_routes_outside_v1_keep_their_own_not_found(server: Server) -> None:
+    root = server.url.removesuffix("/v1")
+    admin = httpx.get(f"{root}/admin/nope", timeout=30)
+    assert admin.status_code == 404 and "error" not in admin.json()
+    assert httpx.get(f"{root}/v1x/foo", timeout=30).status_code == 404
+    assert httpx.get(f"{root}/healthz", timeout=30).status_code == 200
 
 
 def test_sessions_named_wrongly_are_refused_and_another_tenants_is_a_404_like_a_missing_one(server: Server) -> None:
@@ -780,16 +884,19 @@ def test_native_sessions_create_list_get_message_prefetch_delete(server: Server)
         ("/sessions", {"system_prompt": 5}, "system_prompt"),
         ("/sessions", {"system_prompt": "a\x00"}, "NUL"),
         ("/sessions", {"title": "t" * 201}, "title longer"),
-        ("/sessions", {"unknown": 1}, "unknown"),
         ("/sessions/{sid}/messages", {"content": ""}, "non-empty"),
         ("/sessions/{sid}/messages", {"content": "x", "max_tokens": "3"}, "max_tokens"),
         ("/sessions/{sid}/messages", {"content": "x", "stop": ["", "y"]}, "empty"),
+        ("/sessions/{sid}/messages", {"content": "x", "max_tokens": 3, "min_tokens": 4}, "min_new_tokens"),
+        ("/sessions", {"unknown": 1}, "Unrecognized request argument supplied: unknown"),
+        ("/sessions/{sid}/messages", {"content": "x", "top_k": 3}, "Unrecognized request argument supplied: top_k"),
     ],
 )
 def test_native_bad_requests_are_400_and_change_nothing(server: Server, path: str, body: Any, text: str) -> None:
     sid = server.manager.open_session("acme")
     before = server.stored()
-    assert text in _error(server.post(path.format(sid=sid), body), 400, "invalid_request")
+    code = "unrecognized_request_argument" if "Unrecognized" in text else "invalid_request"
+    assert text in _error(server.post(path.format(sid=sid), body), 400, code)
     assert server.stored() == before
 
 

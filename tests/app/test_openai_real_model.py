@@ -86,3 +86,37 @@ def test_streamed_cjk_and_emoji_join_to_the_reply(served: tuple[ServerProcess, s
         assert any("\u4e00" <= c <= "\u9fff" for c in streamed), streamed
     else:
         assert any(ord(c) >= 0x1F300 for c in streamed), streamed
+
+
+def test_min_tokens_and_ignore_eos_keep_a_short_reply_going(served: tuple[ServerProcess, str]) -> None:
+    """vLLM's extensions, as a benchmark client sends them (`extra_body`): greedy, the model ends
+    this reply after a few tokens; `min_tokens` past that continues the same reply to at least
+    that many tokens (a stop string inside them does not cut it), `min_tokens` under it changes
+    nothing, and `ignore_eos` runs the reply to `max_tokens`."""
+    server, key = served
+    client = OpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Reply with one word: is the sky blue?"}]
+
+    def reply(cut: bool = False, **extra: object) -> tuple[str, int, str]:
+        completion = client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=20,
+            temperature=0,
+            stop=["blue"] if cut else None,
+            extra_body=extra,
+        )
+        assert completion.usage is not None
+        choice = completion.choices[0]
+        return choice.message.content or "", completion.usage.completion_tokens, choice.finish_reason
+
+    text, tokens, finish = reply()
+    assert finish == "stop" and "blue" in text and tokens < 12
+    assert reply(min_tokens=tokens - 1) == (text, tokens, finish)
+    longer = reply(min_tokens=tokens + 5)
+    assert longer[0].startswith(text) and longer[1] >= tokens + 5
+    assert reply(min_tokens=tokens + 5, cut=True) == longer  # "blue" ends inside the minimum
+    assert reply(cut=True)[0] == text[: text.index("blue")]
+    whole, whole_tokens, whole_finish = reply(ignore_eos=True)
+    assert (whole_tokens, whole_finish) == (20, "length") and whole.startswith(text)

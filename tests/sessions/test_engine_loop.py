@@ -396,3 +396,42 @@ def test_close_cancels_turns_in_flight_and_refuses_new_ones(tmp_path: Path, tiny
     with SessionManager(make_settings(tmp_path / "home"), engine=tiny_engine) as reopened:
         assert reopened.history(tenant.id, sid) == []  # the cancelled turn stored nothing
         assert reopened.chat(tenant.id, sid, "hello", max_new_tokens=4).stats.decode_tokens > 0
+
+
+def test_min_new_tokens_and_ignore_eos_mask_the_stop_tokens_of_their_own_request_only(tiny_engine: Engine) -> None:
+    """The tiny model's first greedy token, made a stop token, ends a reply at once; with
+    `min_new_tokens=4` each of the first 4 tokens is the best other token (the stop token's logit
+    masked), then decoding is plain greedy; with `ignore_eos` the reply runs to its limit. A
+    request running beside them gets exactly its solo reply."""
+    engine = tiny_engine
+    prompt = engine.tokenizer.encode("Tell me about cats.", add_special_tokens=False)
+
+    def request(stop: tuple[int, ...], **params: object) -> Request:
+        return Request(
+            tenant_id=engine_tenant(0),  # type: ignore[arg-type]
+            prefill_ids=prompt,
+            params=SamplingParams(max_new_tokens=8, **params),  # type: ignore[arg-type]
+            start=engine.empty_cache(None),
+            stop_token_ids=stop,
+            keep_logits=True,
+        )
+
+    solo = engine.loop.submit(request(engine.stop_token_ids)).result().generated
+    first = solo[0]
+    assert engine.loop.submit(request((first,))).result().generated == (first,)
+    masked, ignoring, beside = (
+        request((first,), min_new_tokens=4),
+        request((first,), ignore_eos=True),
+        request(engine.stop_token_ids),
+    )
+    for r in (masked, ignoring, beside):
+        engine.loop.submit(r)
+    generated, ignored = masked.result().generated, ignoring.result().generated
+    assert beside.result().generated == solo
+    assert len(generated) >= 4 and first not in generated[:4]
+    assert len(ignored) == 8 and first not in ignored
+    assert masked.sampled_logits is not None
+    for i, (logits, token) in enumerate(zip(masked.sampled_logits, generated, strict=True)):
+        if i < 4:
+            logits = logits.index_fill(0, torch.tensor([first]), float("-inf"))
+        assert token == int(torch.argmax(logits))

@@ -58,6 +58,31 @@ def test_the_scanner_never_releases_a_stop_string(pieces: list[str], released: l
     assert "".join(out) + tail == (text if cut is None else text[:cut])
 
 
+@pytest.mark.parametrize(
+    ("pieces", "armed_at", "released", "cut"),
+    [
+        (["a! b", "!! c"], 4, ["a! b", ""], 4),  # "!!" ends after the first 4 characters: it cuts
+        (["a!", "! b"], 2, ["a", ""], 1),  # across the boundary: it cuts, and was held back
+        (["a!! b", "!! c"], 5, ["a!! b", ""], 5),  # the first "!!" ends inside the 5: only the second cuts
+        (["wo", "rld", " x"], 5, ["", "world", " x"], None),  # a stop string inside the 5 never cuts
+    ],
+)
+def test_an_unarmed_scanner_cuts_only_at_stop_strings_ending_after_the_armed_length(
+    pieces: list[str], armed_at: int, released: list[str], cut: int | None
+) -> None:
+    """`min_new_tokens`: the runner arms the scanner at the text length of the first N tokens."""
+    scanner = StopScanner(StopStrings(["world", "!!"]), armed=False)
+    text, out = "", []
+    for piece in pieces:
+        text += piece
+        if len(text) >= armed_at:
+            scanner.arm(armed_at)
+        out.append(scanner.push(text))
+    tail = scanner.finish(text)
+    assert (out, scanner.cut) == (released, cut)
+    assert "".join(out) + tail == (text if cut is None else text[:cut])
+
+
 def _stream(manager: SessionManager, tenant: str, sid: str, message: str, **kwargs: object) -> tuple[str, Reply]:
     pieces, reply = [], None
     for item in manager.stream_chat(tenant, sid, message, **kwargs):  # type: ignore[arg-type]

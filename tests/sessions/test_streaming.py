@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from sessions.cancellation import CancelToken
 from sessions.engine import Engine
@@ -10,20 +13,48 @@ from sessions.errors import TurnCancelled
 from sessions.manager import SessionManager
 from sessions.turn.detokenizer import IncrementalDetokenizer
 
-TEXT = "猫が好きです 🐱🎉 naïve café"
+TEXT = "猫が好きです 🐱🎉 naïve café 👩‍👩‍👧 Ωμέγα — «ok» 한국어"
 
 
-def test_detokenizer_holds_back_split_characters(real_engine: Engine) -> None:
-    tokenizer = real_engine.tokenizer
+class DecodeOnly:
+    """The same tokenizer seen through `decode` only (no `tokenizers` backend), as a tokenizer
+    without a fast backend is: the detokenizer falls back to re-decoding."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = tokenizer.decode
+
+
+def _detokenize(tokenizer: Any, ids: list[int]) -> tuple[list[str], str]:
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token) for token in ids]
+    pieces.append(detokenizer.finish())
+    return pieces, detokenizer.text
+
+
+@pytest.mark.parametrize("path", ["decode_stream", "re_decode"])
+def test_detokenizer_holds_back_split_characters(tiny_engine: Engine, path: str) -> None:
+    tokenizer = tiny_engine.tokenizer
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     # The test is only meaningful if some token ends inside a multi-byte character.
     partial = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
     assert any(text.endswith("\ufffd") for text in partial)
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    pieces = [detokenizer.push(token) for token in ids]
-    pieces.append(detokenizer.finish())
+    pieces, text = _detokenize(tokenizer if path == "decode_stream" else DecodeOnly(tokenizer), ids)
     assert all("\ufffd" not in piece for piece in pieces)
-    assert "".join(pieces) == TEXT == detokenizer.text
+    assert "".join(pieces) == TEXT == text
+    assert sum(1 for piece in pieces if piece) > len(TEXT.split())  # released as it goes, not at the end
+
+
+def test_both_detokenizers_release_the_same_pieces_of_any_ids(tiny_engine: Engine) -> None:
+    """Random ids (stray bytes that never complete a character, special tokens): `DecodeStream`
+    and re-decoding release the same pieces, which join to `tokenizer.decode` of all the ids."""
+    tokenizer = tiny_engine.tokenizer
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        ids = torch.randint(len(tokenizer), (300,), generator=generator).tolist()
+        whole = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        streamed, text = _detokenize(tokenizer, ids)
+        assert _detokenize(DecodeOnly(tokenizer), ids) == (streamed, text)
+        assert "".join(streamed) == text == whole
 
 
 def test_stream_chat_pieces_join_to_reply_text(tiny_manager: SessionManager) -> None:
