@@ -146,8 +146,15 @@ def clients(args: Any) -> dict[str, redis.Redis | redis.RedisCluster]:
     return made
 
 
-def measure_size(engine: Engine, args: Any, size: int, by_parser: dict[str, Any]) -> list[dict]:
-    """Build a ~`size`-token session (one turn) and time every variant, with every parser, on its cache."""
+def measure_size(
+    engine: Engine,
+    args: Any,
+    size: int,
+    by_parser: dict[str, Any],
+    variants: list[tuple[str, int | None, bool]] = VARIANTS,
+) -> list[dict]:
+    """Build a ~`size`-token session (one turn) and time each of `variants` (default all), with every
+    parser, on its cache. `args` needs `model_cache_dir` and `repeats`."""
     prefix = f"ckvbench-{secrets.token_hex(4)}"
     results = []
     with temp_dir(f"redis-restore{size}") as root, open_manager(root / "home", engine, args.model_cache_dir) as manager:
@@ -163,7 +170,7 @@ def measure_size(engine: Engine, args: Any, size: int, by_parser: dict[str, Any]
                 client, manager.metadata, engine.fingerprint, CacheKey, prefix=prefix
             )
             try:
-                for variant in VARIANTS:
+                for variant in variants:
                     timing = time_variant(variant, manager, store, key, cache, args.repeats)
                     results.append({"size": size, "tokens": tokens, "parser": parser, **timing})
                     mb_s = timing["restore_mb_s_median"]
