@@ -27,6 +27,7 @@ from sessions.errors import (
     ManagerClosed,
     ModelUnavailable,
     ReplicaRetired,
+    ResponseNotFound,
     SessionBusy,
     SessionExists,
     SessionMoved,
@@ -49,6 +50,7 @@ from sessions.home import (
 from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
 from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
 from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
+from sessions.responses import ResponsePoint, ResponseRecords
 from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
 from sessions.turn.parameters import check_turn_parameters
 from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
@@ -106,6 +108,9 @@ __all__ = [
     "Replay",
     "ReplicaRetired",
     "Reply",
+    "ResponseNotFound",
+    "ResponsePoint",
+    "ResponseRecords",
     "RestoreResult",
     "RestoreSource",
     "Route",

@@ -2,7 +2,7 @@
 wired together here, so that each object takes what it needs as arguments and none reaches into
 another (`SessionManager` is the thin front over them).
 
-    database  -> metadata store, idempotency keys
+    database  -> metadata store, idempotency keys, stored responses
     engine    (the model and its loop; loaded unless given)
     keys      (tenants' data keys under the master key)
     replicas  (id; leases started last, once the tiers they publish through exist)
@@ -43,6 +43,7 @@ from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStor
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
+from sessions.responses import ResponseRecords
 from sessions.retention import Retention
 from sessions.settings import Settings, TierConfig
 from sessions.tenants import Tenants
@@ -89,6 +90,7 @@ class ManagerParts:
     forks: Forks
     lookup: HistoryLookup
     retention: Retention
+    responses: ResponseRecords
 
 
 def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
@@ -266,7 +268,8 @@ def _history_parts(
     metrics: Metrics,
     catalogue: SessionCatalogue,
 ) -> dict[str, Any]:
-    """The parts that find sessions by posted histories, fork them and expire them."""
+    """The parts that find sessions by posted histories, fork them, expire them, and the stored
+    responses that point into them."""
     history = HistoryStore(database)
     forks = Forks(
         registry=registry,
@@ -298,6 +301,11 @@ def _history_parts(
             last_active=last_active,
             default_retention_s=settings.implicit_retention_s,
             hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
+        ),
+        "responses": ResponseRecords(
+            database,
+            session_turns=lambda t, s: registry.session_record(t, s).message_count // 2,
+            delete_session=catalogue.delete,
         ),
     }
 

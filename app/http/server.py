@@ -82,6 +82,7 @@ def build_app(
     from app.http.forwarding import Forwarder
     from app.http.openai_api import openai_router
     from app.http.prefetch import Prefetcher
+    from app.http.responses_api import responses_router
     from app.http.session_api import session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
@@ -94,7 +95,8 @@ def build_app(
 
     app = FastAPI(
         title="chatkv",
-        description="Chat sessions that keep their KV cache. `/v1/`: OpenAI-compatible chat completions and "
+        description="Chat sessions that keep their KV cache. `/v1/`: OpenAI-compatible chat completions, the "
+        "Responses API and "
         "chatkv's sessions, authenticated with a tenant's API key as a bearer token.",
         docs_url=None,
         redoc_url=None,
@@ -106,6 +108,7 @@ def build_app(
     prefetcher = Prefetcher(manager)
     app.state.prefetcher = prefetcher
     app.include_router(openai_router(manager, route_class, forwarder), prefix="/v1")
+    app.include_router(responses_router(manager, route_class, forwarder), prefix="/v1")
     app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui
