@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 from cache.ids import SessionId, TenantId
 from sessions.admin import AdminOps, Json
 from sessions.cancellation import CancelToken
+from sessions.conversations import ConversationRecord, ConversationRecords
 from sessions.database import database_revision, head_revision, open_database, upgrade_database
 from sessions.errors import (
     BackendUnavailable,
     ChatKVError,
     ContextTooLong,
+    ConversationNotFound,
     HistoryTooLong,
     HomeLocked,
     InvalidInput,
@@ -90,6 +92,9 @@ __all__ = [
     "ChatKVError",
     "Claimed",
     "ContextTooLong",
+    "ConversationNotFound",
+    "ConversationRecord",
+    "ConversationRecords",
     "FinishReason",
     "HistoryTooLong",
     "HistoryTurn",

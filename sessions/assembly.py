@@ -32,6 +32,7 @@ from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import WindowPolicy
 from sessions.catalogue import SessionCatalogue
+from sessions.conversations import ConversationRecords
 from sessions.engine import Engine
 from sessions.errors import ModelUnavailable, SessionBusy
 from sessions.forks import Forks
@@ -91,6 +92,7 @@ class ManagerParts:
     lookup: HistoryLookup
     retention: Retention
     responses: ResponseRecords
+    conversations: ConversationRecords
 
 
 def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
@@ -302,12 +304,22 @@ def _history_parts(
             default_retention_s=settings.implicit_retention_s,
             hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
         ),
-        "responses": ResponseRecords(
-            database,
-            session_turns=lambda t, s: registry.session_record(t, s).message_count // 2,
-            delete_session=catalogue.delete,
-        ),
+        **_response_parts(database, registry, catalogue),
     }
+
+
+def _response_parts(database: Database, registry: Registry, catalogue: SessionCatalogue) -> dict[str, Any]:
+    """Stored responses and conversations: each may keep a session the other let go of."""
+    conversations = ConversationRecords(
+        database, release_session=lambda tenant_id, session_id: responses.release_session(tenant_id, session_id)
+    )
+    responses = ResponseRecords(
+        database,
+        session_turns=lambda t, s: registry.session_record(t, s).message_count // 2,
+        delete_session=catalogue.delete,
+        held_by_conversation=conversations.holds,
+    )
+    return {"responses": responses, "conversations": conversations}
 
 
 @contextmanager

@@ -18,6 +18,7 @@ the work, one job each, and every method here checks its arguments and hands ove
     turns       sessions.turn_service.TurnService    turns: run, store, commit
     replicas    sessions.replicas.Replicas           this process's part among replicas
     responses   sessions.responses.ResponseRecords   stored responses (Responses API): points in sessions
+    conversations sessions.conversations.ConversationRecords  conversations: sessions with durable ids
     registry    sessions.registry.Registry           records and lookups (torch-free)
 """
 
@@ -100,6 +101,7 @@ class SessionManager:
         self.metadata = parts.metadata
         self.idempotency = parts.idempotency
         self.responses = parts.responses
+        self.conversations = parts.conversations
         self.keys = parts.keys
         self.metrics = parts.metrics
         self.tiers = parts.tiers

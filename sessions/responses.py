@@ -9,9 +9,9 @@ turn of a session, and its id resolves to that session and turn.
 Deleting a response removes its record only: it can no longer be retrieved or continued from,
 while the session keeps the turn, so responses created after it (on the same session, or on forks
 of it) keep their whole context and can still be retrieved and continued. Once a session has no
-stored response left, the session goes too (its transcript and its cache in every tier): deleting
-every response of a chain leaves nothing of it. A response created with `store: false` has no
-record at all.
+stored response left (and no conversation is held by it), the session goes too (its transcript
+and its cache in every tier): deleting every response of a chain leaves nothing of it. A response
+created with `store: false` has no record at all.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class ResponseRecords:
         database: the metadata database.
         session_turns: the number of turns of the tenant's session (raises `SessionNotFound`).
         delete_session: deletes the tenant's session, caches in every tier included.
+        held_by_conversation: whether a conversation of the tenant is held by the session.
     """
 
     def __init__(
@@ -65,10 +66,12 @@ class ResponseRecords:
         *,
         session_turns: Callable[[TenantId, str], int],
         delete_session: Callable[[TenantId, str], None],
+        held_by_conversation: Callable[[TenantId, str], bool],
     ) -> None:
         self._store = ResponseStore(database)
         self._turns = session_turns
         self._delete_session = delete_session
+        self._held = held_by_conversation
 
     @staticmethod
     def new_id() -> str:
@@ -141,6 +144,14 @@ class ResponseRecords:
         record = self._store.delete(tenant_id=tenant_id, response_id=str(response_id))
         if record is None:
             raise ResponseNotFound(str(response_id))
-        if self._store.count_in_session(tenant_id=tenant_id, session_id=record.session_id) == 0:
-            with contextlib.suppress(ChatKVError):  # deleted meanwhile, or busy with a turn: kept
-                self._delete_session(tenant_id, record.session_id)
+        self.release_session(tenant_id, record.session_id)
+
+    def release_session(self, tenant_id: TenantId, session_id: str) -> None:
+        """Delete the tenant's session unless a stored response points into it or a conversation
+        is held by it."""
+        if self._store.count_in_session(tenant_id=tenant_id, session_id=session_id) or self._held(
+            tenant_id, session_id
+        ):
+            return
+        with contextlib.suppress(ChatKVError):  # deleted meanwhile
+            self._delete_session(tenant_id, session_id)

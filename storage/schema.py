@@ -253,3 +253,18 @@ class ResponseRow(Base):
     response: Mapped[str] = mapped_column(Text)
     input_items: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ConversationRow(Base):
+    """A conversation (OpenAI's Responses API): a durable id over a session
+    (`storage.conversation_store`). `items` (JSON list) and `metadata` (JSON object) are kept as
+    given; `session_id` is the session holding the items' turns (NULL once it is gone)."""
+
+    __tablename__ = "conversations"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), default=None)
+    metadata_json: Mapped[str] = mapped_column("metadata", Text)
+    items: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

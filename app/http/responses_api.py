@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from app.http.api_auth import bearer_scheme, tenant_of
-from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for
+from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
@@ -52,8 +52,10 @@ from app.http.forwarding import Forwarder
 from app.http.openai_api import Conversation
 from app.http.responses_items import (
     ResponseRequest,
+    as_input_items,
     check_metadata,
     dumps,
+    input_as_items,
     input_items,
     item_id,
     items_page,
@@ -62,6 +64,7 @@ from app.http.responses_items import (
     refuse_unsupported,
     response_head,
     response_object,
+    stored_items,
     turn_params,
 )
 from app.http.responses_stream import EventFrames, error_event, replayed_events, response_events
@@ -75,6 +78,7 @@ from sessions import (
     Route,
     SessionBusy,
     SessionManager,
+    SessionNotFound,
     Tenant,
     TurnCancelled,
 )
@@ -90,6 +94,7 @@ class _Turn:
     message_id: str
     items: list[dict[str, Any]]
     store: bool
+    conversation_id: str | None = None
 
 
 class InFlight:
@@ -221,8 +226,15 @@ def _create(
     refuse_unsupported(body)
     metadata = check_metadata(body.metadata)
     params = turn_params(body)
-    conversation = parse_input(body)
     store = body.store is not False
+    conversation_id = body.conversation_id()
+    if conversation_id is not None and body.previous_response_id is not None:
+        raise ApiError(
+            400, "conversation and previous_response_id cannot both be given", "invalid_request", param="conversation"
+        )
+    if conversation_id is not None and not store:
+        raise unsupported("`store: false` with a conversation is", "store")
+    conversation = parse_input(body)  # checked before anything is stored or run
     # `store: false` keeps nothing, not even the answer under an idempotency key.
     guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
     if guard.replay is not None:
@@ -233,11 +245,14 @@ def _create(
     response_id = manager.responses.new_id()
     head = response_head(response_id, manager.model_name, body, metadata)
     try:
-        started = _start(manager, tenant, body, conversation, params, cancel, store)
+        if conversation_id is not None:
+            run = _start_in_conversation(manager, tenant, body, conversation_id, params, cancel, head)
+        else:
+            started = _start(manager, tenant, body, conversation, params, cancel, store)
+            run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
     except BaseException:
         guard.release()
         raise
-    run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
     if body.stream:
         in_flight.add(tenant, response_id, cancel)
         return EventStream(_events(manager, tenant, run, guard, in_flight, body.previous_response_id))
@@ -292,6 +307,45 @@ def _start(
     return start_turn(manager, tenant, fork, message, params, created=True, cancel=cancel), turns
 
 
+def _start_in_conversation(
+    manager: SessionManager,
+    tenant: Tenant,
+    body: ResponseRequest,
+    conversation_id: str,
+    params: TurnParams,
+    cancel: CancelToken,
+    head: dict[str, Any],
+) -> _Turn:
+    """The response's turn after its conversation's items: on the conversation's session while
+    that holds exactly those items, else on a new session holding them (`sessions.conversations`)."""
+    record = manager.conversations.get(tenant.id, conversation_id)
+    new_items = stored_items(input_as_items(body))
+    conversation = parse_input(body, as_input_items(json.loads(record.items)))
+    if record.session_id is not None and _holds(manager, tenant, record.session_id, conversation):
+        turns = len(conversation.history)
+        try:
+            turn = start_turn(
+                manager, tenant, record.session_id, conversation.message, params, expected_turns=turns, cancel=cancel
+            )
+            return _Turn(turn, turns, head, item_id(), new_items, True, conversation_id)
+        except SessionBusy:  # moved on meanwhile: a new session holding the items instead
+            pass
+    session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
+    turn = start_turn(manager, tenant, session_id, conversation.message, params, created=True, cancel=cancel)
+    return _Turn(turn, len(conversation.history), head, item_id(), new_items, True, conversation_id)
+
+
+def _holds(manager: SessionManager, tenant: Tenant, session_id: str, conversation: Conversation) -> bool:
+    """Whether the session holds exactly the conversation's system prompt and earlier turns."""
+    try:
+        info = manager.session_info(tenant, session_id)
+        messages = manager.history(tenant, session_id)
+    except SessionNotFound:
+        return False
+    held = [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
+    return info.system_prompt == conversation.system_prompt and held == list(conversation.history)
+
+
 def _turns(manager: SessionManager, tenant: Tenant, point: ResponsePoint) -> list[tuple[str, str]]:
     """The session's turns through the response's, as (user text, reply text)."""
     messages = manager.history(tenant, point.session_id)[: 2 * (point.turn_index + 1)]
@@ -318,6 +372,10 @@ def _finish(
         )
     else:
         manager.delete_session(tenant, run.turn.session_id)
+    if run.conversation_id is not None:
+        items = json.loads(manager.conversations.get(tenant.id, run.conversation_id).items)
+        items += [*run.items, final["output"][0]]
+        manager.conversations.update(tenant.id, run.conversation_id, items=dumps(items), session_id=run.turn.session_id)
     return final
 
 

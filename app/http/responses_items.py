@@ -53,6 +53,12 @@ class InputItem(BaseModel):
     content: str | list[InputPart] | None = None
 
 
+class ConversationRef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    id: str
+
+
 class ResponseRequest(BaseModel):
     """OpenAI's `POST /v1/responses` request (the subset chatkv serves)."""
 
@@ -81,6 +87,14 @@ class ResponseRequest(BaseModel):
     top_p: float | None = Field(default=None, description="Nucleus sampling mass in (0, 1] (default 1).")
     metadata: dict[str, str] | None = Field(default=None, description="Up to 16 string pairs, returned as given.")
     seed: int | None = Field(default=None, description="chatkv's extension: makes sampling reproducible.")
+    conversation: str | ConversationRef | None = Field(
+        default=None,
+        description="A conversation id (or `{id}`): the turn runs after its items, and its input and output "
+        "are appended to them. Not with `previous_response_id`, nor with `store: false`.",
+    )
+
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
 
 def refuse_unsupported(body: ResponseRequest) -> None:
@@ -90,7 +104,7 @@ def refuse_unsupported(body: ResponseRequest) -> None:
         raise unsupported("tools are", "tools")
     if extra.get("tool_choice") not in (None, "none", "auto"):
         raise unsupported("tools are", "tool_choice")
-    for name in ("reasoning", "include", "prompt", "conversation", "context_management", "image"):
+    for name in ("reasoning", "include", "prompt", "context_management", "image"):
         if extra.get(name):
             raise unsupported(f"`{name}` is", name)
     if extra.get("background"):
@@ -128,9 +142,9 @@ def turn_params(body: ResponseRequest) -> TurnParams:
     )
 
 
-def parse_input(body: ResponseRequest) -> Conversation:
-    """The request's input as a turn: system prompt (`instructions`, then system items), earlier
-    turns, the new user message.
+def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Conversation:
+    """The request's input, after the `earlier` items of its conversation, as a turn: system
+    prompt (`instructions`, then leading system items), earlier turns, the new user message.
 
     Raises:
         ApiError: 400 `unsupported_parameter` for items or content parts that are not text messages.
@@ -138,32 +152,62 @@ def parse_input(body: ResponseRequest) -> Conversation:
     """
     if body.instructions is not None:
         check_text(body.instructions, "instructions", MAX_MESSAGE_CHARS)
-    if isinstance(body.input, str):
+    if isinstance(body.input, str) and not earlier:
         return Conversation(body.instructions, [], check_message(body.input, "input"))
-    if not body.input:
+    items = input_as_items(body)
+    if not items:
         raise InvalidInput("input must hold at least one message")
-    system, rest = [], list(enumerate(body.input))
+    system, rest = [], list(enumerate([*earlier, *items], start=-len(earlier)))
     while rest and rest[0][1].role in ("system", "developer"):
-        system.append(_item_text(*rest.pop(0)))
+        system.append(item_text(*rest.pop(0)))
     prompt = "\n\n".join(filter(None, [body.instructions, *system])) if body.instructions or system else None
     messages = [ChatMessage(role="system", content=prompt)] if prompt is not None else []
     for index, item in rest:
-        text = _item_text(index, item)  # first: it refuses item types other than messages by name
+        text = item_text(index, item)  # first: it refuses item types other than messages by name
         messages.append(ChatMessage(role=_role(index, item), content=text))
     return parse_messages(messages)
 
 
-def _role(index: int, item: InputItem) -> str:
+def input_as_items(body: ResponseRequest) -> list[InputItem]:
+    """The input as items (a string is one user message)."""
+    return [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else list(body.input)
+
+
+def stored_items(items: Sequence[InputItem], where: str = "input") -> list[dict[str, Any]]:
+    """Message items as a conversation keeps them (`Message` objects: input_text parts, or an
+    `output_text` part for an assistant message), each with a new id.
+
+    Raises:
+        ApiError, InvalidInput: as `parse_input`, for items that are not text messages.
+    """
+    stored = []
+    for index, item in enumerate(items):
+        text = item_text(index, item, where)
+        role = _role(index, item, where)
+        stored.append(output_message(item_id(), text) if role == "assistant" else _input_message(role, text))
+    return stored
+
+
+def as_input_items(stored: Sequence[dict[str, Any]]) -> list[InputItem]:
+    return [InputItem.model_validate(item) for item in stored]
+
+
+def _role(index: int, item: InputItem, where: str = "input") -> str:
     if item.role not in _ROLES:
-        raise InvalidInput(f"input[{index}].role must be user, assistant, system or developer, got {item.role!r}")
+        raise InvalidInput(f"{where}[{index}].role must be user, assistant, system or developer, got {item.role!r}")
     return item.role
 
 
-def _item_text(index: int, item: InputItem) -> str:
-    where = f"input[{index}]"
+def item_text(index: int, item: InputItem, where: str = "input") -> str:
+    """The text of a message item (its text parts joined).
+
+    Raises:
+        ApiError: 400 `unsupported_parameter` for another item type or a non-text part.
+        InvalidInput: for a missing role, content or text.
+    """
+    where = f"{where}[{index}]"
     if item.type not in (None, "message"):
-        raise unsupported(f"input items of type {item.type!r} are (messages only)", where)
-    _role(index, item)
+        raise unsupported(f"items of type {item.type!r} are (messages only)", where)
     if item.content is None:
         raise InvalidInput(f"{where}.content is required")
     if isinstance(item.content, str):
@@ -242,7 +286,9 @@ def response_object(
 
 def response_head(response_id: str, model: str, body: ResponseRequest, metadata: dict[str, str]) -> dict[str, Any]:
     """The fields of a `response` object known before its reply."""
+    conversation = body.conversation_id()
     return {
+        "conversation": {"id": conversation} if conversation is not None else None,
         "id": response_id,
         "object": "response",
         "created_at": time.time(),

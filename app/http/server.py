@@ -79,6 +79,7 @@ def build_app(
 
     from app.http.admin_api import admin_router
     from app.http.api_auth import TenantLimiter, api_route_class
+    from app.http.conversations_api import conversations_router
     from app.http.forwarding import Forwarder
     from app.http.openai_api import openai_router
     from app.http.prefetch import Prefetcher
@@ -96,7 +97,7 @@ def build_app(
     app = FastAPI(
         title="chatkv",
         description="Chat sessions that keep their KV cache. `/v1/`: OpenAI-compatible chat completions, the "
-        "Responses API and "
+        "Responses and Conversations APIs and "
         "chatkv's sessions, authenticated with a tenant's API key as a bearer token.",
         docs_url=None,
         redoc_url=None,
@@ -109,6 +110,7 @@ def build_app(
     app.state.prefetcher = prefetcher
     app.include_router(openai_router(manager, route_class, forwarder), prefix="/v1")
     app.include_router(responses_router(manager, route_class, forwarder), prefix="/v1")
+    app.include_router(conversations_router(manager, route_class), prefix="/v1")
     app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui

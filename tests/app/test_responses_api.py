@@ -231,7 +231,6 @@ def test_deleting_a_response_mid_chain_keeps_the_later_ones_and_the_last_takes_t
         ({"background": True}, "background"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"extra_body": {"n": 2}}, "n"),
-        ({"conversation": "conv_123"}, "conversation"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
@@ -276,6 +275,85 @@ def test_with_a_previous_response_the_input_is_only_the_new_message(api: Api) ->
     with pytest.raises(openai.BadRequestError) as refused:
         api.create(input=history, previous_response_id=first.id)
     assert "only the new user message" in refused.value.message
+
+
+def test_a_conversation_is_created_read_updated_and_deleted_with_its_items(api: Api) -> None:
+    client = api.client()
+    conversation = client.conversations.create(
+        items=[
+            {"type": "message", "role": "developer", "content": SYSTEM},
+            {"type": "message", "role": "user", "content": "Hi"},
+            {"type": "message", "role": "assistant", "content": "Hello!"},
+        ],
+        metadata={"topic": "demo"},
+    )
+    assert client.conversations.retrieve(conversation.id).metadata == {"topic": "demo"}
+    assert client.conversations.update(conversation.id, metadata={"topic": "new"}).metadata == {"topic": "new"}
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [
+        ("developer", SYSTEM),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+    ]
+    added = client.conversations.items.create(
+        conversation.id, items=[{"type": "message", "role": "user", "content": "X"}]
+    )
+    assert client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id).content[0].text == "X"
+    client.conversations.items.delete(items[1].id, conversation_id=conversation.id)
+    left = client.conversations.items.list(conversation.id, order="asc").data
+    assert [i.id for i in left] == [items[0].id, items[2].id, added.data[0].id]
+    with pytest.raises(openai.NotFoundError):
+        api.client("beta").conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        api.client("beta").conversations.items.list(conversation.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.conversations.items.create(
+            conversation.id,
+            items=[{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}],
+        )
+    assert refused.value.param == "items[0].content[0]"
+    assert client.conversations.delete(conversation.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conversation.id)
+
+
+def test_responses_in_a_conversation_append_to_it_and_continue_its_session(api: Api) -> None:
+    client = api.client()
+    before = api.sessions()
+    conversation = client.conversations.create(items=[{"type": "message", "role": "developer", "content": SYSTEM}])
+    first = api.create(input="Hello", conversation=conversation.id)
+    second = api.create(input="More", conversation={"id": conversation.id})
+    assert second.conversation.id == conversation.id
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1  # its session goes on
+    texts = [(i.role, i.content[0].text) for i in client.conversations.items.list(conversation.id, order="asc").data]
+    assert texts == [
+        ("developer", SYSTEM),
+        ("user", "Hello"),
+        ("assistant", first.output_text),
+        ("user", "More"),
+        ("assistant", second.output_text),
+    ]
+    assert len(api.sessions() - before) == 1
+    # Items added by the client: the next response runs on a new session holding all of them.
+    extra = [
+        {"type": "message", "role": "user", "content": "Aside"},
+        {"type": "message", "role": "assistant", "content": "Ok"},
+    ]
+    client.conversations.items.create(conversation.id, items=extra)
+    third = api.create(input="Next", conversation=conversation.id)
+    assert third.usage.input_tokens > second.usage.total_tokens
+    assert len(client.conversations.items.list(conversation.id, limit=100).data) == 9
+    with pytest.raises(openai.BadRequestError):
+        api.create(input="Both", conversation=conversation.id, previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.create(input="Unstored", conversation=conversation.id, store=False)
+    assert refused.value.param == "store"
+    with pytest.raises(openai.NotFoundError):
+        api.create("beta", input="Not mine", conversation=conversation.id)
+    client.conversations.delete(conversation.id)
+    for response in (first, second, third):
+        client.responses.delete(response.id)
+    assert api.sessions() == before  # nothing holds the conversation's sessions any more
 
 
 def test_responses_are_retrieved_after_a_restart_and_their_chain_goes_on(api: Api) -> None:

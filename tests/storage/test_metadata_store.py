@@ -31,6 +31,7 @@ TABLES = {
     "idempotency_keys",
     "turn_digests",
     "responses",
+    "conversations",
 }
 
 
