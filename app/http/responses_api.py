@@ -198,10 +198,14 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
 
 
 def _route(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Route:
-    """Where the turn runs among replicas: that of the previous response's session, if any."""
+    """Where the turn runs among replicas: that of the previous response's session, or of the
+    conversation's, if any."""
     session_id = None
+    conversation_id = body.conversation_id()
     if body.previous_response_id is not None:
         session_id = manager.responses.point(tenant.id, body.previous_response_id).session_id
+    elif conversation_id is not None:
+        session_id = manager.conversations.get(tenant.id, conversation_id).session_id
     return manager.route_turn(tenant, session_id, forwarded=forwarded)
 
 

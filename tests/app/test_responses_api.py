@@ -277,6 +277,16 @@ def test_with_a_previous_response_the_input_is_only_the_new_message(api: Api) ->
     assert "only the new user message" in refused.value.message
 
 
+def test_a_retry_with_the_same_idempotency_key_gets_the_recorded_response(api: Api) -> None:
+    headers = {"Idempotency-Key": "retry-responses-1"}
+    first = api.create(input="Once only", extra_headers=headers)
+    raw = api.client().responses.with_raw_response.create(
+        model=api.model, input="Once only", max_output_tokens=8, **SEED, extra_headers=headers
+    )
+    assert raw.headers["idempotent-replayed"] == "true"
+    assert raw.parse().model_dump() == first.model_dump()
+
+
 def test_a_conversation_is_created_read_updated_and_deleted_with_its_items(api: Api) -> None:
     client = api.client()
     conversation = client.conversations.create(
