@@ -98,26 +98,29 @@ class _Turn:
 
 
 class InFlight:
-    """The cancel tokens of streamed responses in flight, by tenant and response id. Thread-safe."""
+    """Streamed responses in flight (their cancel tokens and heads), by tenant and response id.
+    Thread-safe."""
 
     def __init__(self) -> None:
-        self._tokens: dict[tuple[str, str], CancelToken] = {}
+        self._runs: dict[tuple[str, str], tuple[CancelToken, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, tenant: Tenant, response_id: str, cancel: CancelToken) -> None:
+    def add(self, tenant: Tenant, head: dict[str, Any], cancel: CancelToken) -> None:
         with self._lock:
-            self._tokens[(tenant.id, response_id)] = cancel
+            self._runs[(tenant.id, head["id"])] = (cancel, head)
 
     def discard(self, tenant: Tenant, response_id: str) -> None:
         with self._lock:
-            self._tokens.pop((tenant.id, response_id), None)
+            self._runs.pop((tenant.id, response_id), None)
 
-    def cancel(self, tenant: Tenant, response_id: str) -> bool:
+    def cancel(self, tenant: Tenant, response_id: str) -> dict[str, Any] | None:
+        """Cancel the tenant's response in flight; its head, or `None` if none is in flight."""
         with self._lock:
-            cancel = self._tokens.get((tenant.id, response_id))
-        if cancel is not None:
-            cancel.cancel()
-        return cancel is not None
+            run = self._runs.get((tenant.id, response_id))
+        if run is None:
+            return None
+        run[0].cancel()
+        return run[1]
 
 
 def responses_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
@@ -184,11 +187,9 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
     @router.post("/responses/{response_id}/cancel", responses={404: {"description": "No such response."}})
     def cancel_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
         """Cancel a streamed response in flight on this replica: its turn stores nothing."""
-        if in_flight.cancel(tenant, response_id):
-            return JSONResponse(
-                {"id": response_id, "object": "response", "status": "cancelled", "model": manager.model_name}
-                | {"created_at": 0, "output": [], "parallel_tool_calls": False, "tool_choice": "none", "tools": []}
-            )
+        head = in_flight.cancel(tenant, response_id)
+        if head is not None:
+            return JSONResponse(response_object(head, status="cancelled"))
         manager.responses.point(tenant.id, response_id)  # 404 unless it is stored
         raise ApiError(
             400, "only a response streaming in flight can be cancelled; this one has completed", "invalid_request"
@@ -258,7 +259,7 @@ def _create(
         guard.release()
         raise
     if body.stream:
-        in_flight.add(tenant, response_id, cancel)
+        in_flight.add(tenant, head, cancel)
         return EventStream(_events(manager, tenant, run, guard, in_flight, body.previous_response_id))
     try:
         reply = run.turn.run()

@@ -174,7 +174,7 @@ def test_a_streamed_response_in_flight_is_cancelled_and_stores_nothing(api: Api)
         events.append(event)
         if event.type == "response.output_text.delta":
             cancelled = client.responses.cancel(events[0].response.id)
-            assert cancelled.status == "cancelled"
+            assert (cancelled.status, cancelled.id) == ("cancelled", events[0].response.id)
             events.extend(stream)
             break
     assert events[-1].type == "error" and events[-1].code == "response_cancelled"
