@@ -295,8 +295,10 @@ def _start(
         )
     point = manager.responses.point(tenant.id, body.previous_response_id)
     turns = point.turn_index + 1
-    info = manager.session_info(tenant, point.session_id)
-    if body.instructions is not None and body.instructions != info.system_prompt:
+    if (
+        body.instructions is not None
+        and body.instructions != manager.session_info(tenant, point.session_id).system_prompt
+    ):
         earlier = _turns(manager, tenant, point)
         session_id = manager.open_session(tenant, body.instructions, history=earlier)
         return start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel), turns

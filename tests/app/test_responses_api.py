@@ -105,6 +105,18 @@ def test_a_branch_from_an_older_response_is_warm_and_replies_as_a_fresh_chain(ap
     assert after.usage.input_tokens_details.cached_tokens == second.usage.total_tokens - 1
 
 
+def test_other_instructions_start_a_new_session_holding_the_earlier_turns(api: Api) -> None:
+    first = api.create(input="Hello", instructions=SYSTEM)
+    before = api.sessions()
+    same = api.create(input="Again", instructions=SYSTEM, previous_response_id=first.id)
+    assert api.sessions() == before  # the same instructions continue the chain's session
+    other = api.create(input="Again", instructions="You are verbose.", previous_response_id=first.id)
+    assert len(api.sessions() - before) == 1
+    # The new session holds the first turn under the new system prompt: not served from a cache.
+    assert other.usage.input_tokens > first.usage.total_tokens > other.usage.input_tokens_details.cached_tokens
+    assert same.usage.input_tokens_details.cached_tokens == first.usage.total_tokens - 1
+
+
 def test_a_conversation_posted_as_items_is_one_response(api: Api) -> None:
     items = [
         {"role": "developer", "content": SYSTEM},
