@@ -10,7 +10,7 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
     401     invalid_request_error   invalid_api_key                        missing or wrong bearer key
     404     invalid_request_error   model_not_found / session_not_found    `model`, `SessionNotFound`
     404     invalid_request_error   response_not_found                     `ResponseNotFound` (Responses API)
-    404     invalid_request_error   conversation_not_found                 `ConversationNotFound`
+    404     invalid_request_error   conversation_not_found / item_not_found  `ConversationNotFound`, an item id
     409     invalid_request_error   session_busy                           `SessionBusy`
     409     invalid_request_error   session_owned_elsewhere                `SessionOwnedElsewhere` (replicas;
                                                                            `X-ChatKV-Owner-URL` names the owner;
