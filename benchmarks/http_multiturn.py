@@ -11,6 +11,11 @@ Two servers, one after the other, on the same real default model:
   takes the rebuild path (the whole conversation prefilled, no prefix pool, no cache kept), what a
   server without KV reuse does.
 
+On the chatkv server the same users then hold the same conversations the Responses way
+(**responses**): each turn sends only the new user message with `previous_response_id` (the
+stream of `client.responses.create(..., stream=True)`), so the chain continues its session with
+nothing posted twice and nothing looked up by history.
+
 Per turn: TTFT as the client sees it (request sent to the first SSE chunk with content), median and
 p95 over users; then aggregate throughput (completion tokens of every turn of every user over the
 wall time of the whole run). Replies are compared across the two servers (greedy: they should be
@@ -62,8 +67,50 @@ class UserRun:
     sessions: set[str] = field(default_factory=set)
 
 
-def run_users(url: str, key: str, model: str, messages: list[list[str]], args: argparse.Namespace) -> dict[str, Any]:
-    """Every user holds its conversation at once (a barrier starts them together)."""
+def stream_response_turn(
+    client: OpenAI, model: str, previous: str | None, text: str, max_tokens: int
+) -> dict[str, Any]:
+    """One streamed, greedy Responses turn sending only `text` after `previous` (a response id;
+    `None`: the first turn, with the system prompt as `instructions`). TTFT is from sending the
+    request to the first text delta (seconds). Returns what `stream_turn` returns, `session_id`
+    being the response's id."""
+    started = time.perf_counter()
+    ttft = None
+    pieces: list[str] = []
+    final = None
+    instructions = SYSTEM_PROMPT if previous is None else None
+    stream = client.responses.create(
+        model=model,
+        input=text,
+        instructions=instructions,
+        previous_response_id=previous,
+        max_output_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+    )
+    for event in stream:
+        if event.type == "response.output_text.delta" and event.delta:
+            ttft = ttft if ttft is not None else time.perf_counter() - started
+            pieces.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    if final is None or final.usage is None:
+        raise SystemExit("the server sent no final response event")
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - started,
+        "text": "".join(pieces),
+        "session_id": final.id,
+        "cached_tokens": final.usage.input_tokens_details.cached_tokens,
+        "prompt_tokens": final.usage.input_tokens,
+        "completion_tokens": final.usage.output_tokens,
+    }
+
+
+def run_users(
+    url: str, key: str, model: str, messages: list[list[str]], args: argparse.Namespace, *, responses: bool = False
+) -> dict[str, Any]:
+    """Every user holds its conversation at once (a barrier starts them together): stateless chat
+    completions, or with `responses` a Responses chain (only the new message each turn)."""
     runs = [UserRun() for _ in messages]
     errors: list[BaseException] = []
     start = threading.Barrier(len(messages) + 1)
@@ -72,18 +119,22 @@ def run_users(url: str, key: str, model: str, messages: list[list[str]], args: a
         client = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
         run = runs[index]
         conversation = [{"role": "system", "content": SYSTEM_PROMPT}]
+        previous = None
         start.wait()
         try:
             for text in messages[index]:
+                if responses:
+                    turn = stream_response_turn(client, model, previous, text, args.max_tokens)
+                    previous = turn["session_id"]
+                    run.replies.append(turn["text"])
+                    _record(run, turn)
+                    continue
                 conversation.append({"role": "user", "content": text})
                 turn = stream_turn(client, model, conversation, args.max_tokens)
                 conversation.append({"role": "assistant", "content": turn["text"]})
-                run.ttft_s.append(turn["ttft_s"])
-                run.cached_tokens.append(turn["cached_tokens"])
-                run.prompt_tokens.append(turn["prompt_tokens"])
-                run.completion_tokens.append(turn["completion_tokens"])
                 run.replies.append(turn["text"])
                 run.sessions.add(turn["session_id"])
+                _record(run, turn)
         except Exception as exc:  # noqa: BLE001 - a thread boundary: reported by the main thread
             errors.append(exc)
 
@@ -101,9 +152,18 @@ def run_users(url: str, key: str, model: str, messages: list[list[str]], args: a
     return {"runs": runs, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 
 
+def _record(run: UserRun, turn: dict[str, Any]) -> None:
+    run.ttft_s.append(turn["ttft_s"])
+    run.cached_tokens.append(turn["cached_tokens"])
+    run.prompt_tokens.append(turn["prompt_tokens"])
+    run.completion_tokens.append(turn["completion_tokens"])
+
+
 def measure(
     engine: Engine, root: Path, args: argparse.Namespace, messages: list[list[str]], reuse: bool
-) -> dict[str, Any]:
+) -> dict[str, dict[str, Any]]:
+    """The stateless pattern on one server (`reuse`: chatkv, else re-prefill); on chatkv's, then
+    the Responses pattern too. Returns the results by pattern name."""
     home = root / ("reuse" if reuse else "prefill") / "home"
     with open_manager(home, engine, args.model_cache_dir) as manager:
         key = manager.issue_api_key(manager.create_tenant("bot"))
@@ -113,7 +173,12 @@ def measure(
     with chatkv_server(home, args, settings, home.parent / f"server-{name}.log") as url:
         warm = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
         stream_turn(warm, model, [{"role": "user", "content": "Warm up."}], 4)  # kernels, allocator
-        return run_users(url, key, model, messages, args)
+        if not reuse:
+            return {"re-prefill": run_users(url, key, model, messages, args)}
+        return {
+            "chatkv": run_users(url, key, model, messages, args),
+            "responses": run_users(url, key, model, messages, args, responses=True),
+        }
 
 
 def main() -> None:
@@ -127,7 +192,7 @@ def main() -> None:
         args.turns, args.user_tokens, args.max_tokens = 3, 40, 16
     engine = setup(args)
     print_header(
-        "chatkv: multi-turn chat over the OpenAI HTTP API, session reuse vs re-prefill",
+        "chatkv: multi-turn chat over the OpenAI HTTP API, session reuse vs re-prefill, and the Responses API",
         engine,
         [
             f"{args.users} users x {args.turns} turns, stateless streaming clients (official openai package), "
@@ -143,24 +208,29 @@ def main() -> None:
     ]
     with temp_dir("http-multiturn") as root:
         results = {
-            "chatkv": measure(engine, root, args, messages, reuse=True),
-            "re-prefill": measure(engine, root, args, messages, reuse=False),
+            **measure(engine, root, args, messages, reuse=True),
+            **measure(engine, root, args, messages, reuse=False),
         }
-    ours, base = results["chatkv"]["runs"], results["re-prefill"]["runs"]
+    ours, base, chained = results["chatkv"]["runs"], results["re-prefill"]["runs"], results["responses"]["runs"]
     rows = []
     for t in range(args.turns):
         on = [r.ttft_s[t] for r in ours]
         off = [r.ttft_s[t] for r in base]
+        chain = [r.ttft_s[t] for r in chained]
         rows.append(
             [
                 t,
                 round(median([r.prompt_tokens[t] for r in ours])),
                 round(median([r.cached_tokens[t] for r in ours])),
+                round(median([r.cached_tokens[t] for r in chained])),
                 fmt_s(median(on)),
                 fmt_s(p95(on)),
+                fmt_s(median(chain)),
+                fmt_s(p95(chain)),
                 fmt_s(median(off)),
                 fmt_s(p95(off)),
                 fmt_ratio(median(off) / median(on)),
+                fmt_ratio(median(on) / median(chain)),
             ]
         )
     print_table(
@@ -169,11 +239,15 @@ def main() -> None:
             "turn",
             "prompt tokens p50",
             "cached p50",
+            "responses cached p50",
             "chatkv p50",
             "chatkv p95",
+            "responses p50",
+            "responses p95",
             "re-prefill p50",
             "re-prefill p95",
-            "ratio p50",
+            "re-prefill/chatkv p50",
+            "chatkv/responses p50",
         ],
         rows,
     )
@@ -185,6 +259,8 @@ def main() -> None:
     ratio = results["chatkv"]["tokens_per_s"] / results["re-prefill"]["tokens_per_s"]
     last = args.turns - 1
     print(f"\nthroughput chatkv / re-prefill: {fmt_ratio(ratio)}")
+    chain_ratio = results["responses"]["tokens_per_s"] / results["chatkv"]["tokens_per_s"]
+    print(f"throughput responses / chatkv (stateless chat completions): {fmt_ratio(chain_ratio)}")
     print(
         f"last turn TTFT p50: chatkv {fmt_s(median([r.ttft_s[last] for r in ours]))}, re-prefill "
         f"{fmt_s(median([r.ttft_s[last] for r in base]))} "
@@ -195,6 +271,9 @@ def main() -> None:
     same = sum(a.replies == b.replies for a, b in zip(ours, base, strict=True))
     verdict = "yes" if same == len(ours) else f"WARNING: {len(ours) - same} of {len(ours)} differ"
     print(f"replies identical across the two servers: {verdict}")
+    same = sum(a.replies == b.replies for a, b in zip(ours, chained, strict=True))
+    verdict = "yes" if same == len(ours) else f"WARNING: {len(ours) - same} of {len(ours)} differ"
+    print(f"replies identical between chat completions and responses: {verdict}")
     write_json(
         args.json,
         {

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 from cache.ids import SessionId, TenantId
 from sessions.admin import AdminOps, Json
 from sessions.cancellation import CancelToken
+from sessions.conversations import ConversationRecord, ConversationRecords
 from sessions.database import database_revision, head_revision, open_database, upgrade_database
 from sessions.errors import (
     BackendUnavailable,
     ChatKVError,
     ContextTooLong,
+    ConversationNotFound,
     HistoryTooLong,
     HomeLocked,
     InvalidInput,
@@ -28,6 +30,7 @@ from sessions.errors import (
     ModelNotFound,
     ModelUnavailable,
     ReplicaRetired,
+    ResponseNotFound,
     SessionBusy,
     SessionExists,
     SessionMoved,
@@ -50,6 +53,7 @@ from sessions.home import (
 from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
 from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
 from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
+from sessions.responses import ResponsePoint, ResponseRecords
 from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
 from sessions.turn.parameters import check_turn_parameters
 from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
@@ -89,6 +93,9 @@ __all__ = [
     "ChatKVError",
     "Claimed",
     "ContextTooLong",
+    "ConversationNotFound",
+    "ConversationRecord",
+    "ConversationRecords",
     "FinishReason",
     "HistoryTooLong",
     "HistoryTurn",
@@ -108,6 +115,9 @@ __all__ = [
     "Replay",
     "ReplicaRetired",
     "Reply",
+    "ResponseNotFound",
+    "ResponsePoint",
+    "ResponseRecords",
     "RestoreResult",
     "RestoreSource",
     "Route",

@@ -2,7 +2,7 @@
 wired together here, so that each object takes what it needs as arguments and none reaches into
 another (`SessionManager` is the thin front over them).
 
-    database  -> metadata store, idempotency keys
+    database  -> metadata store, idempotency keys, stored responses
     engine    (the model and its loop; loaded unless given)
     keys      (tenants' data keys under the master key)
     replicas  (id; leases started last, once the tiers they publish through exist)
@@ -32,6 +32,7 @@ from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import WindowPolicy
 from sessions.catalogue import SessionCatalogue
+from sessions.conversations import ConversationRecords
 from sessions.device_defaults import default_device_budget_bytes, probe_device, resolve_dtype
 from sessions.engine import Engine
 from sessions.errors import ModelUnavailable, SessionBusy
@@ -45,6 +46,7 @@ from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStor
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
+from sessions.responses import ResponseRecords
 from sessions.retention import Retention
 from sessions.settings import Settings, TierConfig
 from sessions.settings.settings import total_memory_bytes
@@ -92,6 +94,8 @@ class ManagerParts:
     forks: Forks
     lookup: HistoryLookup
     retention: Retention
+    responses: ResponseRecords
+    conversations: ConversationRecords
 
 
 def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
@@ -278,7 +282,8 @@ def _history_parts(
     metrics: Metrics,
     catalogue: SessionCatalogue,
 ) -> dict[str, Any]:
-    """The parts that find sessions by posted histories, fork them and expire them."""
+    """The parts that find sessions by posted histories, fork them, expire them, and the stored
+    responses that point into them."""
     history = HistoryStore(database)
     forks = Forks(
         registry=registry,
@@ -311,7 +316,22 @@ def _history_parts(
             default_retention_s=settings.implicit_retention_s,
             hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
         ),
+        **_response_parts(database, registry, catalogue),
     }
+
+
+def _response_parts(database: Database, registry: Registry, catalogue: SessionCatalogue) -> dict[str, Any]:
+    """Stored responses and conversations: each may keep a session the other let go of."""
+    conversations = ConversationRecords(
+        database, release_session=lambda tenant_id, session_id: responses.release_session(tenant_id, session_id)
+    )
+    responses = ResponseRecords(
+        database,
+        session_turns=lambda t, s: registry.session_record(t, s).message_count // 2,
+        delete_session=catalogue.delete,
+        held_by_conversation=conversations.holds,
+    )
+    return {"responses": responses, "conversations": conversations}
 
 
 @contextmanager

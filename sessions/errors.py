@@ -42,6 +42,25 @@ class SessionNotFound(ChatKVError):
         super().__init__(f"session not found: {session_id}")
 
 
+class ResponseNotFound(ChatKVError):
+    """No stored response with this id for this tenant (also raised for another tenant's id, and
+    for a response created with `store: false` or deleted)."""
+
+    http_status = 404
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"response not found: {response_id}")
+
+
+class ConversationNotFound(ChatKVError):
+    """No conversation with this id for this tenant (also raised for another tenant's id)."""
+
+    http_status = 404
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation not found: {conversation_id}")
+
+
 class SessionExists(ChatKVError):
     """A client-chosen session id the tenant uses already (a new named session must be new)."""
 

@@ -17,6 +17,8 @@ the work, one job each, and every method here checks its arguments and hands ove
     catalogue   sessions.catalogue.SessionCatalogue  sessions: open, delete, pin, inspect, restore, evict
     turns       sessions.turn_service.TurnService    turns: run, store, commit
     replicas    sessions.replicas.Replicas           this process's part among replicas
+    responses   sessions.responses.ResponseRecords   stored responses (Responses API): points in sessions
+    conversations sessions.conversations.ConversationRecords  conversations: sessions with durable ids
     registry    sessions.registry.Registry           records and lookups (torch-free)
 """
 
@@ -98,6 +100,8 @@ class SessionManager:
         self.engine = parts.engine
         self.metadata = parts.metadata
         self.idempotency = parts.idempotency
+        self.responses = parts.responses
+        self.conversations = parts.conversations
         self.keys = parts.keys
         self.metrics = parts.metrics
         self.tiers = parts.tiers

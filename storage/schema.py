@@ -235,3 +235,36 @@ class IdempotencyKeyRow(Base):
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), default=None)
     response: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class ResponseRow(Base):
+    """A stored response (OpenAI's Responses API): the end of turn `turn_index` of a session
+    (`storage.response_store`). `response` is the response object as answered and `input_items`
+    the items it was created with (JSON text). The row goes with its tenant and with its session.
+    """
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
+    turn_index: Mapped[int] = mapped_column(Integer)
+    previous_response_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    response: Mapped[str] = mapped_column(Text)
+    input_items: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ConversationRow(Base):
+    """A conversation (OpenAI's Responses API): a durable id over a session
+    (`storage.conversation_store`). `items` (JSON list) and `metadata` (JSON object) are kept as
+    given; `session_id` is the session holding the items' turns (NULL once it is gone)."""
+
+    __tablename__ = "conversations"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), default=None)
+    metadata_json: Mapped[str] = mapped_column("metadata", Text)
+    items: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

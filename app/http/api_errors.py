@@ -16,6 +16,8 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
                                                                            (`Allow` names them)
     401     invalid_request_error   invalid_api_key                        missing or wrong bearer key
     404     invalid_request_error   model_not_found / session_not_found    `model`, `SessionNotFound`
+    404     invalid_request_error   response_not_found                     `ResponseNotFound` (Responses API)
+    404     invalid_request_error   conversation_not_found / item_not_found  `ConversationNotFound`, an item id
     409     invalid_request_error   session_busy                           `SessionBusy`
     409     invalid_request_error   session_owned_elsewhere                `SessionOwnedElsewhere` (replicas;
                                                                            `X-ChatKV-Owner-URL` names the owner;
@@ -48,8 +50,10 @@ from starlette.exceptions import HTTPException
 from sessions import (
     ChatKVError,
     ContextTooLong,
+    ConversationNotFound,
     HistoryTooLong,
     ReplicaRetired,
+    ResponseNotFound,
     SessionBusy,
     SessionNotFound,
     SessionOwnedElsewhere,
@@ -70,6 +74,8 @@ OWNED_ELSEWHERE_RETRY_AFTER_S = 1
 
 _CODES: dict[type[ChatKVError], str] = {
     SessionNotFound: "session_not_found",
+    ResponseNotFound: "response_not_found",
+    ConversationNotFound: "conversation_not_found",
     SessionOwnedElsewhere: "session_owned_elsewhere",
     SessionBusy: "session_busy",
     ContextTooLong: "context_length_exceeded",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -114,11 +115,12 @@ class IdempotencyGuard:
             self.replay = outcome
         self._claimed = isinstance(outcome, Claimed)
 
-    def complete(self, session_id: str, response: BaseModel) -> None:
-        """Record the answer of the request (its turn completed)."""
+    def complete(self, session_id: str, response: BaseModel | dict[str, Any]) -> None:
+        """Record the answer of the request (its turn completed): a model, or a JSON object."""
         if self._claimed and self._key is not None:
             self._claimed = False
-            self._manager.idempotency.complete(self._tenant.id, self._key, response.model_dump_json(), session_id)
+            text = response.model_dump_json() if isinstance(response, BaseModel) else json.dumps(response)
+            self._manager.idempotency.complete(self._tenant.id, self._key, text, session_id)
 
     def release(self) -> None:
         """The request did not complete: a retry with the key runs afresh (idempotent)."""

@@ -79,9 +79,11 @@ def build_app(
 
     from app.http.admin_api import admin_router
     from app.http.api_auth import TenantLimiter, api_route_class
+    from app.http.conversations_api import conversations_router
     from app.http.forwarding import Forwarder
     from app.http.openai_api import openai_router
     from app.http.prefetch import Prefetcher
+    from app.http.responses_api import responses_router
     from app.http.session_api import session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
@@ -94,7 +96,8 @@ def build_app(
 
     app = FastAPI(
         title="chatkv",
-        description="Chat sessions that keep their KV cache. `/v1/`: OpenAI-compatible chat completions and "
+        description="Chat sessions that keep their KV cache. `/v1/`: OpenAI-compatible chat completions, the "
+        "Responses and Conversations APIs and "
         "chatkv's sessions, authenticated with a tenant's API key as a bearer token.",
         docs_url=None,
         redoc_url=None,
@@ -106,6 +109,8 @@ def build_app(
     prefetcher = Prefetcher(manager)
     app.state.prefetcher = prefetcher
     app.include_router(openai_router(manager, route_class, forwarder), prefix="/v1")
+    app.include_router(responses_router(manager, route_class, forwarder), prefix="/v1")
+    app.include_router(conversations_router(manager, route_class), prefix="/v1")
     app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
     _answer_unrouted_v1(app)
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)

@@ -910,6 +910,14 @@ def test_the_openapi_schema_documents_the_v1_routes(server: Server) -> None:
         "/v1/sessions/{session_id}",
         "/v1/sessions/{session_id}/messages",
         "/v1/sessions/{session_id}/prefetch",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/conversations",
+        "/v1/conversations/{conversation_id}",
+        "/v1/conversations/{conversation_id}/items",
+        "/v1/conversations/{conversation_id}/items/{item_id}",
     } <= set(schema["paths"])
     completions = schema["paths"]["/v1/chat/completions"]["post"]
     assert completions["security"] == [{"HTTPBearer": []}]

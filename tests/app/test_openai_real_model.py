@@ -120,3 +120,23 @@ def test_min_tokens_and_ignore_eos_keep_a_short_reply_going(served: tuple[Server
     assert reply(cut=True)[0] == text[: text.index("blue")]
     whole, whole_tokens, whole_finish = reply(ignore_eos=True)
     assert (whole_tokens, whole_finish) == (20, "length") and whole.startswith(text)
+
+
+def test_a_responses_branch_is_warm_and_replies_as_a_fresh_post_of_its_history(
+    served: tuple[ServerProcess, str],
+) -> None:
+    server, key = served
+    client = OpenAI(base_url=server.v1, api_key=key, max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    greedy = {"model": model, "max_output_tokens": 24, "temperature": 0}
+    first = client.responses.create(instructions=SYSTEM, input=TURNS[0], **greedy)
+    client.responses.create(previous_response_id=first.id, input=TURNS[1], **greedy)  # the chain moves on
+    branch = client.responses.create(previous_response_id=first.id, input=TURNS[2], **greedy)
+    assert branch.usage is not None and branch.usage.input_tokens_details.cached_tokens > 0  # from the chain's KV
+    history = [
+        {"role": "user", "content": TURNS[0]},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": TURNS[2]},
+    ]
+    fresh = client.responses.create(instructions=SYSTEM, input=history, **greedy)  # type: ignore[arg-type]
+    assert branch.output_text == fresh.output_text

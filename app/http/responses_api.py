@@ -1,0 +1,421 @@
+"""OpenAI's Responses API on chatkv's sessions: `POST /v1/responses`, `GET` and `DELETE
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`.
+
+A response is a point in a session (`sessions.responses`): its id resolves to a session and the
+turn it ended.
+
+    no previous_response_id   a new session (instructions as its system prompt, earlier turns from
+                              the input items) runs the turn
+    previous = the latest     the turn continues that session from its cache (sending only the new
+      response of a session   input: the whole point of the pattern)
+    previous = an older one   a fork of the session after that response's turn runs it: a branch,
+                              warm from the parent's KV; the parent and its responses are untouched
+    instructions differ       a new session holding the earlier turns under the new system prompt
+      from the session's      (prefilled; omitted instructions keep the session's)
+
+`store: false` runs the turn on a session made for it (a new one, or a fork) and deletes that
+session, its cache in every tier included, before the last event: nothing is kept once the reply is
+sent (no response record; an `Idempotency-Key` is not recorded either). Deleting a response is
+defined in `sessions.responses`: later responses keep their context.
+
+A streamed response in flight can be cancelled (`POST /v1/responses/{id}/cancel`, on the replica
+that runs it): its turn stops at the next step and stores nothing; the stream ends with an `error`
+event `response_cancelled`. Everything else is shared with `/v1/chat/completions`: the tenant's key,
+request slots, `Idempotency-Key`, cancellation when the client goes away, forwarding a turn to the
+replica owning its session, errors in OpenAI's shape (`app.http.api_errors`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+
+from app.http.api_auth import bearer_scheme, tenant_of
+from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
+from app.http.api_turns import (
+    IDEMPOTENCY_HEADER,
+    REPLAYED_HEADER,
+    IdempotencyGuard,
+    StartedTurn,
+    TurnParams,
+    run_watching_disconnect,
+    start_turn,
+)
+from app.http.forwarding import Forwarder
+from app.http.openai_api import Conversation
+from app.http.responses_items import (
+    ResponseRequest,
+    as_input_items,
+    check_metadata,
+    dumps,
+    input_as_items,
+    input_items,
+    item_id,
+    items_page,
+    output_message,
+    parse_input,
+    refuse_unsupported,
+    response_head,
+    response_object,
+    stored_items,
+    turn_params,
+)
+from app.http.responses_stream import EventFrames, error_event, replayed_events, response_events
+from app.http.sse import EventStream
+from sessions import (
+    CancelToken,
+    ChatKVError,
+    InvalidInput,
+    Reply,
+    ResponsePoint,
+    Route,
+    SessionBusy,
+    SessionManager,
+    SessionNotFound,
+    Tenant,
+    TurnCancelled,
+)
+
+
+@dataclass
+class _Turn:
+    """A response's turn started on its session: turn `turn_index`, and what its answer needs."""
+
+    turn: StartedTurn
+    turn_index: int
+    head: dict[str, Any]
+    message_id: str
+    items: list[dict[str, Any]]
+    store: bool
+    conversation_id: str | None = None
+
+
+class InFlight:
+    """Streamed responses in flight (their cancel tokens and heads), by tenant and response id.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[str, str], tuple[CancelToken, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, tenant: Tenant, head: dict[str, Any], cancel: CancelToken) -> None:
+        with self._lock:
+            self._runs[(tenant.id, head["id"])] = (cancel, head)
+
+    def discard(self, tenant: Tenant, response_id: str) -> None:
+        with self._lock:
+            self._runs.pop((tenant.id, response_id), None)
+
+    def cancel(self, tenant: Tenant, response_id: str) -> dict[str, Any] | None:
+        """Cancel the tenant's response in flight; its head, or `None` if none is in flight."""
+        with self._lock:
+            run = self._runs.get((tenant.id, response_id))
+        if run is None:
+            return None
+        run[0].cancel()
+        return run[1]
+
+
+def responses_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
+    """The `/responses` routes, to be mounted under `/v1` (see the module docstring)."""
+    router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Responses"])
+    in_flight = InFlight()
+
+    @router.post(
+        "/responses",
+        responses={
+            200: {
+                "description": "A `response`, or with `stream: true` the Responses event stream.",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            400: {"description": "Invalid or unsupported request (`invalid_request_error`)."},
+            404: {"description": "Unknown model or `previous_response_id`."},
+            409: {"description": "The session has a turn in flight, or the `Idempotency-Key`'s first request runs."},
+            413: {"description": "Body over the limit, or the conversation does not fit the context."},
+            429: {"description": "Too many requests in flight for this tenant; see `Retry-After`."},
+        },
+    )
+    async def create_response(
+        request: Request,
+        body: ResponseRequest,
+        tenant: Annotated[Tenant, Depends(tenant_of)],
+        idempotency_key: Annotated[
+            str | None, Header(alias=IDEMPOTENCY_HEADER, description="Run the request once (as for chat completions).")
+        ] = None,
+    ) -> Response:
+        """Create a response, continuing or branching a chain with `previous_response_id`. A client
+        that disconnects before the answer is complete cancels the turn; nothing is stored."""
+        raw = await request.body()
+        forwarded = await forwarder.answer(request, raw, lambda hop: _route(manager, body, tenant, forwarded=hop))
+        if forwarded is not None:  # the session's owner answered
+            return forwarded
+        cancel = CancelToken()
+        return await run_watching_disconnect(
+            request, cancel, lambda: _create(manager, body, raw, tenant, idempotency_key, cancel, in_flight)
+        )
+
+    @router.get("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
+    def retrieve_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
+        """A stored response as it was answered."""
+        return JSONResponse(json.loads(manager.responses.point(tenant.id, response_id).response))
+
+    @router.delete("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
+    def delete_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
+        """Delete a stored response; later responses keep their context (`sessions.responses`)."""
+        manager.responses.delete(tenant.id, response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @router.get("/responses/{response_id}/input_items", responses={404: {"description": "No such stored response."}})
+    def list_input_items(
+        response_id: str,
+        tenant: Annotated[Tenant, Depends(tenant_of)],
+        after: Annotated[str | None, Query(description="List the items after this item id.")] = None,
+        limit: Annotated[int, Query(description="Items per page, 1-100.")] = 20,
+        order: Annotated[str, Query(description="`desc` (newest first, the default) or `asc`.")] = "desc",
+    ) -> JSONResponse:
+        """The input items the response was created with (not those of earlier responses)."""
+        point = manager.responses.point(tenant.id, response_id)
+        return JSONResponse(items_page(json.loads(point.input_items), after, limit, order))
+
+    @router.post("/responses/{response_id}/cancel", responses={404: {"description": "No such response."}})
+    def cancel_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
+        """Cancel a streamed response in flight on this replica: its turn stores nothing."""
+        head = in_flight.cancel(tenant, response_id)
+        if head is not None:
+            return JSONResponse(response_object(head, status="cancelled"))
+        manager.responses.point(tenant.id, response_id)  # 404 unless it is stored
+        raise ApiError(
+            400, "only a response streaming in flight can be cancelled; this one has completed", "invalid_request"
+        )
+
+    return router
+
+
+def _route(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Route:
+    """Where the turn runs among replicas: that of the previous response's session, or of the
+    conversation's, if any."""
+    session_id = None
+    conversation_id = body.conversation_id()
+    if body.previous_response_id is not None:
+        session_id = manager.responses.point(tenant.id, body.previous_response_id).session_id
+    elif conversation_id is not None:
+        session_id = manager.conversations.get(tenant.id, conversation_id).session_id
+    return manager.route_turn(tenant, session_id, forwarded=forwarded)
+
+
+def _create(
+    manager: SessionManager,
+    body: ResponseRequest,
+    raw: bytes,
+    tenant: Tenant,
+    idempotency_key: str | None,
+    cancel: CancelToken,
+    in_flight: InFlight,
+) -> Response:
+    """The blocking part of `POST /responses` (run in the threadpool): check, claim the
+    idempotency key, start the turn; stream it, or run it to its end and store it."""
+    if body.model != manager.model_name:
+        raise ApiError(
+            404,
+            f"the model `{body.model}` does not exist; this server serves `{manager.model_name}`",
+            "model_not_found",
+            param="model",
+        )
+    refuse_unsupported(body)
+    metadata = check_metadata(body.metadata)
+    params = turn_params(body)
+    store = body.store is not False
+    conversation_id = body.conversation_id()
+    if conversation_id is not None and body.previous_response_id is not None:
+        raise ApiError(
+            400, "conversation and previous_response_id cannot both be given", "invalid_request", param="conversation"
+        )
+    if conversation_id is not None and not store:
+        raise unsupported("`store: false` with a conversation is", "store")
+    conversation = parse_input(body)  # checked before anything is stored or run
+    # `store: false` keeps nothing, not even the answer under an idempotency key.
+    guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
+    if guard.replay is not None:
+        recorded = json.loads(guard.replay.response)
+        if body.stream:
+            return EventStream(replayed_events(recorded), headers={REPLAYED_HEADER: "true"})
+        return JSONResponse(recorded, headers={REPLAYED_HEADER: "true"})
+    response_id = manager.responses.new_id()
+    head = response_head(response_id, manager.model_name, body, metadata)
+    try:
+        if conversation_id is not None:
+            run = _start_in_conversation(manager, tenant, body, conversation_id, params, cancel, head)
+        else:
+            started = _start(manager, tenant, body, conversation, params, cancel, store)
+            run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
+    except BaseException:
+        guard.release()
+        raise
+    if body.stream:
+        in_flight.add(tenant, head, cancel)
+        return EventStream(_events(manager, tenant, run, guard, in_flight, body.previous_response_id))
+    try:
+        reply = run.turn.run()
+        final = _finish(manager, tenant, run, reply, body.previous_response_id)
+    except BaseException:
+        guard.release()
+        raise
+    finally:
+        run.turn.close()
+    guard.complete(run.turn.session_id, final)
+    return JSONResponse(final)
+
+
+def _start(
+    manager: SessionManager,
+    tenant: Tenant,
+    body: ResponseRequest,
+    conversation: Conversation,
+    params: TurnParams,
+    cancel: CancelToken,
+    store: bool,
+) -> tuple[StartedTurn, int]:
+    """The turn of the response on its session (see the module docstring), run to its first item;
+    returns it and its turn index."""
+    message = conversation.message
+    if body.previous_response_id is None:
+        session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
+        turn = start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel)
+        return turn, len(conversation.history)
+    if conversation.history or conversation.system_prompt not in (None, body.instructions):
+        raise InvalidInput(
+            "with previous_response_id, input holds only the new user message (a string or one user item)"
+        )
+    point = manager.responses.point(tenant.id, body.previous_response_id)
+    turns = point.turn_index + 1
+    if (
+        body.instructions is not None
+        and body.instructions != manager.session_info(tenant, point.session_id).system_prompt
+    ):
+        earlier = _turns(manager, tenant, point)
+        session_id = manager.open_session(tenant, body.instructions, history=earlier)
+        return start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel), turns
+    if point.latest and store:
+        try:
+            return (
+                start_turn(manager, tenant, point.session_id, message, params, expected_turns=turns, cancel=cancel),
+                turns,
+            )
+        except SessionBusy:  # a turn in flight on it, or it moved on meanwhile: branch instead
+            pass
+    fork = manager.fork(tenant, point.session_id, turns)
+    return start_turn(manager, tenant, fork, message, params, created=True, cancel=cancel), turns
+
+
+def _start_in_conversation(
+    manager: SessionManager,
+    tenant: Tenant,
+    body: ResponseRequest,
+    conversation_id: str,
+    params: TurnParams,
+    cancel: CancelToken,
+    head: dict[str, Any],
+) -> _Turn:
+    """The response's turn after its conversation's items: on the conversation's session while
+    that holds exactly those items, else on a new session holding them (`sessions.conversations`)."""
+    record = manager.conversations.get(tenant.id, conversation_id)
+    new_items = stored_items(input_as_items(body))
+    conversation = parse_input(body, as_input_items(json.loads(record.items)))
+    if record.session_id is not None and _holds(manager, tenant, record.session_id, conversation):
+        turns = len(conversation.history)
+        try:
+            turn = start_turn(
+                manager, tenant, record.session_id, conversation.message, params, expected_turns=turns, cancel=cancel
+            )
+            return _Turn(turn, turns, head, item_id(), new_items, True, conversation_id)
+        except SessionBusy:  # moved on meanwhile: a new session holding the items instead
+            pass
+    session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
+    turn = start_turn(manager, tenant, session_id, conversation.message, params, created=True, cancel=cancel)
+    return _Turn(turn, len(conversation.history), head, item_id(), new_items, True, conversation_id)
+
+
+def _holds(manager: SessionManager, tenant: Tenant, session_id: str, conversation: Conversation) -> bool:
+    """Whether the session holds exactly the conversation's system prompt and earlier turns."""
+    try:
+        info = manager.session_info(tenant, session_id)
+        messages = manager.history(tenant, session_id)
+    except SessionNotFound:
+        return False
+    held = [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
+    return info.system_prompt == conversation.system_prompt and held == list(conversation.history)
+
+
+def _turns(manager: SessionManager, tenant: Tenant, point: ResponsePoint) -> list[tuple[str, str]]:
+    """The session's turns through the response's, as (user text, reply text)."""
+    messages = manager.history(tenant, point.session_id)[: 2 * (point.turn_index + 1)]
+    return [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
+
+
+def _finish(
+    manager: SessionManager, tenant: Tenant, run: _Turn, reply: Reply, previous_response_id: str | None
+) -> dict[str, Any]:
+    """The final response object of a completed turn, stored (or, with `store: false`, its
+    session deleted)."""
+    final = response_object(
+        run.head, status="completed", output=[output_message(run.message_id, reply.text)], reply=reply
+    )
+    if run.store:
+        manager.responses.record(
+            tenant.id,
+            run.head["id"],
+            session_id=run.turn.session_id,
+            turn_index=run.turn_index,
+            previous_response_id=previous_response_id,
+            response=dumps(final),
+            input_items=dumps(run.items),
+        )
+    else:
+        manager.delete_session(tenant, run.turn.session_id)
+    if run.conversation_id is not None:
+        items = json.loads(manager.conversations.get(tenant.id, run.conversation_id).items)
+        items += [*run.items, final["output"][0]]
+        manager.conversations.update(tenant.id, run.conversation_id, items=dumps(items), session_id=run.turn.session_id)
+    return final
+
+
+def _events(
+    manager: SessionManager,
+    tenant: Tenant,
+    run: _Turn,
+    guard: IdempotencyGuard,
+    in_flight: InFlight,
+    previous_response_id: str | None,
+) -> Generator[str, None, None]:
+    """The event stream of a response. Closing the generator (the client went away) closes the
+    turn: it is cancelled and nothing is stored."""
+    frames = EventFrames()
+    started = response_object(run.head, status="in_progress")
+    final: dict[str, Any] = {}
+
+    def finish() -> dict[str, Any]:
+        if run.turn.reply is None:
+            raise RuntimeError("bug: a streamed turn ended without a reply")
+        final.update(_finish(manager, tenant, run, run.turn.reply, previous_response_id))
+        return final
+
+    try:
+        yield from response_events(frames, started, run.message_id, run.turn.pieces(), finish)
+        guard.complete(run.turn.session_id, final)
+    except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (cancelled, say)
+        if isinstance(exc, TurnCancelled):
+            yield error_event(frames, "response_cancelled", "the response was cancelled")
+        else:
+            error = json.loads(bytes(response_for(exc).body))["error"]
+            yield error_event(frames, error["code"], error["message"])
+    finally:
+        in_flight.discard(tenant, run.head["id"])
+        guard.release()
+        run.turn.close()

@@ -1,0 +1,106 @@
+"""Stored responses (OpenAI's Responses API): each row is a point in a session, the end of one of
+its turns, with the response object as it was answered and the input items it was created with.
+
+    responses   id (resp_...), tenant, session, turn_index, previous_response_id, JSON texts
+                the row goes with its tenant and its session (ON DELETE CASCADE)
+
+Every read is keyed by tenant and id: another tenant's id reads like a missing one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+
+from storage.database import Repository
+from storage.errors import SessionGone
+from storage.schema import ResponseRow, utcnow
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    """One stored response: turn `turn_index` (0-based) of session `session_id` ends at it."""
+
+    id: str
+    tenant_id: str
+    session_id: str
+    turn_index: int
+    previous_response_id: str | None
+    response: str
+    """The response object as answered (JSON text)."""
+    input_items: str
+    """The input items it was created with (JSON text of a list)."""
+    created_at: datetime
+
+
+class ResponseStore(Repository):
+    """Rows of `responses`, one unit of work per method."""
+
+    def add(self, record: ResponseRecord) -> None:
+        """Store a response.
+
+        Raises:
+            SessionGone: if its session (or tenant) was deleted meanwhile.
+        """
+        try:
+            with self._unit() as db:
+                db.add(
+                    ResponseRow(
+                        id=record.id,
+                        tenant_id=record.tenant_id,
+                        session_id=record.session_id,
+                        turn_index=record.turn_index,
+                        previous_response_id=record.previous_response_id,
+                        response=record.response,
+                        input_items=record.input_items,
+                        created_at=record.created_at or utcnow(),
+                    )
+                )
+        except IntegrityError:
+            raise SessionGone(record.session_id) from None
+
+    def get(self, *, tenant_id: str, response_id: str) -> ResponseRecord | None:
+        """The tenant's response `response_id`, or `None` (missing, or another tenant's)."""
+        with self._unit() as db:
+            row = db.scalar(
+                select(ResponseRow).where(ResponseRow.tenant_id == tenant_id, ResponseRow.id == response_id)
+            )
+            return None if row is None else _record(row)
+
+    def delete(self, *, tenant_id: str, response_id: str) -> ResponseRecord | None:
+        """Delete the tenant's response; returns what it was, or `None` if there was none."""
+        with self._unit() as db:
+            row = db.scalar(
+                select(ResponseRow).where(ResponseRow.tenant_id == tenant_id, ResponseRow.id == response_id)
+            )
+            if row is None:
+                return None
+            record = _record(row)
+            db.execute(delete(ResponseRow).where(ResponseRow.id == response_id))
+            return record
+
+    def count_in_session(self, *, tenant_id: str, session_id: str) -> int:
+        """How many responses of the tenant's session are stored."""
+        with self._unit() as db:
+            count = db.scalar(
+                select(func.count())
+                .select_from(ResponseRow)
+                .where(ResponseRow.tenant_id == tenant_id, ResponseRow.session_id == session_id)
+            )
+            return int(count or 0)
+
+
+def _record(row: ResponseRow) -> ResponseRecord:
+    return ResponseRecord(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        session_id=row.session_id,
+        turn_index=row.turn_index,
+        previous_response_id=row.previous_response_id,
+        response=row.response,
+        input_items=row.input_items,
+        created_at=row.created_at,
+    )
