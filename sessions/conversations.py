@@ -14,6 +14,7 @@ deleting the conversation deletes the session unless a stored response still end
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Callable
 
 import sqlalchemy
@@ -38,6 +39,7 @@ class ConversationRecords:
     def __init__(self, database: sqlalchemy.Engine, *, release_session: Callable[[TenantId, str], None]) -> None:
         self._store = ConversationStore(database)
         self._release = release_session
+        self._edit_lock = threading.Lock()
 
     def create(self, tenant_id: TenantId, *, metadata: str, items: str) -> ConversationRecord:
         """A new conversation with `metadata` (a JSON object) and `items` (a JSON list)."""
@@ -71,6 +73,26 @@ class ConversationRecords:
         if session_id is not None and before.session_id not in (None, session_id):
             self._release(tenant_id, before.session_id)
         return record
+
+    def edit_items(
+        self, tenant_id: TenantId, conversation_id: str, edit: Callable[[str], str], *, session_id: str | None = None
+    ) -> ConversationRecord:
+        """Replace the items (a JSON list as text) by `edit(items)`, and the session holding them if
+        given, atomically: concurrent edits of one conversation (two item appends, an append and a
+        response's turn) apply one after the other, none lost. A session replaced by another is
+        released. Raises `ConversationNotFound`, or whatever `edit` raises (nothing changes then)."""
+        # One process owns a home; the lock orders its edits (SQLite would refuse the second
+        # writer's read-then-write), the row lock orders replicas' edits on PostgreSQL.
+        with self._edit_lock:
+            changed = self._store.edit_items(
+                tenant_id=tenant_id, conversation_id=str(conversation_id), edit=edit, session_id=session_id
+            )
+        if changed is None:
+            raise ConversationNotFound(str(conversation_id))
+        before, after = changed
+        if session_id is not None and before.session_id not in (None, session_id):
+            self._release(tenant_id, before.session_id)
+        return after
 
     def holds(self, tenant_id: TenantId, session_id: str) -> bool:
         """Whether one of the tenant's conversations is held by the session."""

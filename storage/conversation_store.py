@@ -9,6 +9,7 @@ Every read is keyed by tenant and id: another tenant's id reads like a missing o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -79,6 +80,29 @@ class ConversationStore(Repository):
                 row.session_id = session_id
             db.flush()
             return _record(row)
+
+    def edit_items(
+        self, *, tenant_id: str, conversation_id: str, edit: Callable[[str], str], session_id: str | None = None
+    ) -> tuple[ConversationRecord, ConversationRecord] | None:
+        """Replace the items by `edit(items)` (and the session holding them, if given) in one unit of
+        work with the row locked (`SELECT ... FOR UPDATE` on PostgreSQL; SQLite has one writer), so
+        two edits at once both land. Returns the conversation before and after, or `None` if the
+        tenant has no such conversation. Whatever `edit` raises rolls the unit back."""
+        with self._unit() as db:
+            query = (
+                select(ConversationRow)
+                .where(ConversationRow.tenant_id == tenant_id, ConversationRow.id == conversation_id)
+                .with_for_update()
+            )
+            row = db.scalar(query)
+            if row is None:
+                return None
+            before = _record(row)
+            row.items = edit(row.items)
+            if session_id is not None:
+                row.session_id = session_id
+            db.flush()
+            return before, _record(row)
 
     def holds(self, *, tenant_id: str, session_id: str) -> bool:
         """Whether one of the tenant's conversations is held by the session."""

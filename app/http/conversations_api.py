@@ -95,9 +95,7 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
     def create_items(conversation_id: str, body: ItemsCreate, tenant: TenantDep) -> JSONResponse:
         """Append items; answers the items added."""
         added = _new_items(body.items)
-        record = manager.conversations.get(tenant.id, conversation_id)
-        items = json.loads(record.items) + added
-        manager.conversations.update(tenant.id, record.id, items=dumps(items))
+        manager.conversations.edit_items(tenant.id, conversation_id, lambda items: dumps(json.loads(items) + added))
         return JSONResponse(items_page(added, None, max(1, len(added)), "asc"))
 
     @router.get("/conversations/{conversation_id}/items/{item_id}", responses=missing)
@@ -108,10 +106,13 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
     @router.delete("/conversations/{conversation_id}/items/{item_id}", responses=missing)
     def delete_item(conversation_id: str, item_id: str, tenant: TenantDep) -> JSONResponse:
         """Delete an item; answers the conversation."""
-        record = manager.conversations.get(tenant.id, conversation_id)
-        items = json.loads(record.items)
-        kept = [item for item in items if item is not _item(items, item_id)]
-        return JSONResponse(_conversation(manager.conversations.update(tenant.id, record.id, items=dumps(kept))))
+
+        def without_item(text: str) -> str:
+            items = json.loads(text)
+            gone = _item(items, item_id)  # 404 when missing: the edit rolls back
+            return dumps([item for item in items if item is not gone])
+
+        return JSONResponse(_conversation(manager.conversations.edit_items(tenant.id, conversation_id, without_item)))
 
     return router
 

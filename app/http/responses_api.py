@@ -380,9 +380,13 @@ def _finish(
     else:
         manager.delete_session(tenant, run.turn.session_id)
     if run.conversation_id is not None:
-        items = json.loads(manager.conversations.get(tenant.id, run.conversation_id).items)
-        items += [*run.items, final["output"][0]]
-        manager.conversations.update(tenant.id, run.conversation_id, items=dumps(items), session_id=run.turn.session_id)
+        added = [*run.items, final["output"][0]]
+        manager.conversations.edit_items(
+            tenant.id,
+            run.conversation_id,
+            lambda items: dumps(json.loads(items) + added),
+            session_id=run.turn.session_id,
+        )
     return final
 
 
