@@ -39,7 +39,8 @@ LOG_FORMATS = tuple(fmt.value for fmt in LogFormat)
 OWN_LOGGERS = ("app", "sessions", "cache", "storage", "uvicorn")
 """Loggers that log at the chosen level; `uvicorn` covers `uvicorn.error` and `uvicorn.access`."""
 
-TEXT_FORMAT = "%(levelname)s %(name)s: %(message)s"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"
 
 
 def configure_logging(level: str, log_format: str, stream: TextIO | None = None) -> None:
@@ -54,7 +55,7 @@ def configure_logging(level: str, log_format: str, stream: TextIO | None = None)
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(_json_formatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(_json_formatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT, TIME_FORMAT))
     numeric = logging.getLevelName(level.upper())
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -64,11 +65,14 @@ def configure_logging(level: str, log_format: str, stream: TextIO | None = None)
 
 
 def _json_formatter() -> logging.Formatter:
+    from pythonjsonlogger.core import RESERVED_ATTRS
     from pythonjsonlogger.json import JsonFormatter
 
-    # `extra=` fields of a record (a turn's tenant, session, token counts) become keys of their own.
+    # `extra=` fields of a record (a turn's tenant, session, token counts) become keys of their own;
+    # uvicorn's `color_message` (the message again, with terminal colour codes) is not one.
     return JsonFormatter(
         "%(asctime)s %(levelname)s %(name)s %(message)s",
         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+        reserved_attrs=[*RESERVED_ATTRS, "color_message"],
         timestamp=False,
     )

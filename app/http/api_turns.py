@@ -175,6 +175,43 @@ class TurnParams:
         return manager.stream_chat(tenant, session_id, message, **self.keywords(), **extra)
 
 
+MAX_OPENAI_TEMPERATURE = 2.0
+"""OpenAI's upper bound of `temperature` (its lower bound, 0, is chatkv's own)."""
+MAX_OPENAI_STOP_STRINGS = 4
+
+
+def check_openai_ranges(
+    *,
+    temperature: float | None,
+    max_tokens: int | None,
+    max_tokens_name: str,
+    min_tokens: int | None = None,
+    stop_strings: int = 0,
+) -> None:
+    """OpenAI's limits on a turn's parameters, refused with the field's OpenAI name in `param`
+    before `TurnParams` checks them under chatkv's own names (`max_new_tokens`, ...).
+
+    Raises:
+        ApiError: 400 `invalid_request` naming the field: `temperature` outside [0, 2], a
+            `max_tokens` (or `max_output_tokens`) under 1, a negative `min_tokens` or one above
+            `max_tokens`, over 4 `stop` strings.
+    """
+
+    def refuse(param: str, message: str) -> ApiError:
+        return ApiError(400, f"Invalid '{param}': {message}", "invalid_request", param=param)
+
+    if isinstance(temperature, int | float) and not 0.0 <= temperature <= MAX_OPENAI_TEMPERATURE:
+        raise refuse("temperature", f"expected a value from 0 to {MAX_OPENAI_TEMPERATURE:g}, got {temperature!r}")
+    if isinstance(max_tokens, int) and max_tokens < 1:
+        raise refuse(max_tokens_name, f"expected a value >= 1, got {max_tokens}")
+    if isinstance(min_tokens, int) and min_tokens < 0:
+        raise refuse("min_tokens", f"expected a value >= 0, got {min_tokens}")
+    if isinstance(min_tokens, int) and isinstance(max_tokens, int) and min_tokens > max_tokens:
+        raise refuse("min_tokens", f"must not exceed {max_tokens_name} ({max_tokens}), got {min_tokens}")
+    if stop_strings > MAX_OPENAI_STOP_STRINGS:
+        raise refuse("stop", f"takes at most {MAX_OPENAI_STOP_STRINGS} strings, got {stop_strings}")
+
+
 def check_message(text: object, what: str = "message") -> str:
     """A user message as `stream_chat` takes it. Raises `InvalidInput`."""
     check_text(text, what, MAX_MESSAGE_CHARS)

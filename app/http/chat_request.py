@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import unsupported
-from app.http.api_turns import TurnParams
+from app.http.api_turns import TurnParams, check_openai_ranges
 
 DEFAULT_MAX_TOKENS = 256
 SESSION_HEADER = "X-Session-ID"
@@ -184,6 +184,13 @@ def turn_params(body: ChatCompletionRequest) -> TurnParams:
     """The turn's parameters, with OpenAI's defaults. Raises `InvalidInput` for bad values."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    check_openai_ranges(
+        temperature=body.temperature,
+        max_tokens=max_tokens,
+        max_tokens_name="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+        min_tokens=body.min_tokens,
+        stop_strings=len(stop),
+    )
     return TurnParams(
         max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import ApiError, unsupported
-from app.http.api_turns import TurnParams, check_message
+from app.http.api_turns import TurnParams, check_message, check_openai_ranges
 from app.http.chat_request import DEFAULT_MAX_TOKENS, ChatMessage
 from app.http.openai_api import Conversation, parse_messages
 from sessions import MAX_MESSAGE_CHARS, InvalidInput, Reply, check_text
@@ -164,6 +164,10 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
 
 
 def turn_params(body: ResponseRequest) -> TurnParams:
+    """The turn's parameters, with OpenAI's defaults. Raises `ApiError` or `InvalidInput` for bad values."""
+    check_openai_ranges(
+        temperature=body.temperature, max_tokens=body.max_output_tokens, max_tokens_name="max_output_tokens"
+    )
     return TurnParams(
         max_new_tokens=DEFAULT_MAX_TOKENS if body.max_output_tokens is None else body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -217,7 +217,10 @@ def serve(
             app = build_app(manager, local=local, token=token)
             # Implicit sessions and uncontinued forks expire here; `manager.close()` stops the sweeps.
             manager.start_retention_sweeps()
-            log.info("chatkv serving %s on %s (admin token %s)", manager.model_name, url, token_source)
+            # The address and the admin token's place are what a person starting the server needs:
+            # shown at any --log-level, not only at info.
+            shown = max(logging.INFO, log.getEffectiveLevel())
+            log.log(shown, "chatkv serving %s on %s (admin token %s)", manager.model_name, url, token_source)
             if manager.replica_id is not None:
                 advertised = manager.settings.replica_url or listening_url
                 log.info("replica %s, reachable at %s (CHATKV_REPLICA_URL)", manager.replica_id, advertised)

@@ -113,7 +113,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, tiny_
     assert process.returncode == 0, log.read_text()
     assert not (home / "server.lock").exists(), log.read_text()
     # The operator sees the shutdown in the log, not just the process gone.
-    assert log.read_text().splitlines()[-2:] == [
+    assert [line.split(" ", 1)[1] for line in log.read_text().splitlines()[-2:]] == [
         "INFO app.http.server: chatkv stopping: finishing the turns in flight, then persisting caches",
         "INFO app.http.server: chatkv stopped",
     ], log.read_text()

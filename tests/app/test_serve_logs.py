@@ -7,6 +7,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import app
-from app.cli.logs import configure_logging
+from app.cli.logs import TIME_FORMAT, configure_logging
 from cache.ids import SessionId, TenantId
 from sessions.engine import Engine
 from sessions.manager import SessionManager
@@ -61,6 +62,7 @@ def test_each_line_of_the_json_log_is_an_object_with_level_logger_and_message(
     for record in records:
         assert {"time", "level", "logger", "message"} <= record.keys(), record
     assert any(r["logger"] == "app.http.server" and r["message"] == "chatkv stopped" for r in records)
+    assert not any("color_message" in r for r in records)  # uvicorn's copy with terminal colour codes
 
 
 def test_the_access_log_has_a_line_per_request(json_server_log: ServerLog) -> None:
@@ -98,10 +100,13 @@ def test_a_turn_line_in_text_format_names_each_figure() -> None:
         logging.getLogger("transformers.noise").info("not shown: other libraries log from warning up")
     finally:
         root.handlers[:], root.level = handlers, level
-    assert stream.getvalue().splitlines() == [
+    [line] = stream.getvalue().splitlines()
+    stamp, rest = line.split(" ", 1)
+    assert datetime.strptime(stamp, TIME_FORMAT).tzinfo is not None
+    assert rest == (
         "INFO sessions.turns: tenant=tn_a session=s_b prefilled_tokens=12 cached_tokens=30 restored_from=new "
         "ttft_ms=42.1 decode_tokens=5 decode_tokens_per_s=20.0"
-    ]
+    )
 
 
 @pytest.mark.parametrize(
