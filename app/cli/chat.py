@@ -40,6 +40,7 @@ def chat_command(
     settings = settings_for(ctx.obj)
     with domain_errors(), load_manager(settings) as manager:
         tenant_id = manager.get_tenant(tenant).id
+        new = session is None
         if session is None:
             session = manager.open_session(tenant_id, system_prompt=system)
             typer.echo(f"session {session} (new)")
@@ -48,6 +49,10 @@ def chat_command(
             turns = count(info.message_count // 2, "turn")
             typer.echo(f"session {session}: {turns}, cache {info.tier or 'not stored'}")
         _repl(manager, tenant_id, session, max_new_tokens)
+        if new and manager.session_info(tenant_id, session).message_count == 0:
+            # Nothing was said: leave no empty session behind (explicit sessions never expire).
+            manager.delete_session(tenant_id, session)
+            typer.echo(f"session {session} deleted: no message was sent")
 
 
 def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_tokens: int) -> None:

@@ -488,6 +488,13 @@ def test_chat_repl_streams_and_reports_reuse(cli: Cli) -> None:
     assert re.search(r"\| cache from disk, restored in \d+ ms \|", resumed.stdout), resumed.stdout
 
 
+def test_chat_left_without_a_message_leaves_no_session(cli: Cli) -> None:
+    cli.ok("tenants", "create", "acme")
+    result = cli.ok("chat", "--tenant", "acme", input="\n/quit\n")
+    assert result.stdout.splitlines()[-1].endswith("deleted: no message was sent")
+    assert cli.json("sessions", "list") == []
+
+
 def test_chat_bad_input(cli: Cli) -> None:
     assert_one_line_error(cli("chat", "--tenant", "nobody", input="hi\n"))
     cli.ok("tenants", "create", "acme")

@@ -57,6 +57,39 @@ def test_both_detokenizers_release_the_same_pieces_of_any_ids(tiny_engine: Engin
         assert "".join(streamed) == text == whole
 
 
+def _byte_fallback_tokenizer() -> Any:
+    """A small Llama-2-style tokenizer (BPE with `<0xNN>` byte fallback; decoder: Replace,
+    ByteFallback, Fuse, Strip), as `--model` folders and hub ids of that family bring."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    corpus = ["Hello world, this is a test.", TEXT, "def f(x):\n    return x", "  runs  of   spaces "] * 20
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_a_byte_fallback_tokenizer_streams_any_ids_without_failing() -> None:
+    """Its decoder decodes a run of byte tokens as one group (a later byte can turn "h-" into
+    replacement characters), and `DecodeStream` raises on invalid runs: each reply's pieces still
+    join to `tokenizer.decode` of all its ids, with nothing released that a later token changes."""
+    tokenizer = _byte_fallback_tokenizer()
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        ids = torch.randint(len(tokenizer), (30,), generator=generator).tolist()
+        whole = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        streamed, text = _detokenize(tokenizer, ids)
+        assert "".join(streamed) == text == whole
+    natural = tokenizer.encode("Hello world, 你好 is a test.", add_special_tokens=False)  # 你好: byte tokens
+    pieces, text = _detokenize(tokenizer, natural)
+    assert text == "Hello world, 你好 is a test." and "你好" in pieces and sum(1 for piece in pieces if piece) > 3
+
+
 def test_stream_chat_pieces_join_to_reply_text(tiny_manager: SessionManager) -> None:
     """A random tiny model sampled at temperature 1 emits many byte-level pieces of multi-byte
     characters; whatever it emits, the streamed pieces must join to the reply text."""
