@@ -48,6 +48,10 @@ def old_home_copy(home: Path, model_cache_dir: Path) -> Path | None:
     return old if any(is_complete(entry) for entry in old.iterdir() if entry.is_dir()) else None
 
 
+STAGING_SUFFIX_CHARS = 8
+"""`tempfile.mkdtemp` names its folders prefix + 8 random characters."""
+
+
 def publish_once(target: Path, build: Callable[[Path], str], *, wait_s: float = CONVERSION_WAIT_S) -> bool:
     """Make the directory `target` with `build` unless a complete one is already there.
 
@@ -72,6 +76,13 @@ def publish_once(target: Path, build: Callable[[Path], str], *, wait_s: float = 
                 return False
             if target.exists():  # an incomplete copy (made by hand, or by a version without the marker)
                 shutil.rmtree(target)
+            # Staging folders of builds killed before their rename (an OOM kill mid-conversion):
+            # holding the lock, no build of this target is running, so they are garbage.
+            # The length check keeps another target's ("model-v2": ".model-v2-xxxxxxxx") apart.
+            prefix = f".{target.name}-"
+            for stale in target.parent.glob(f"{prefix}*"):
+                if stale.is_dir() and len(stale.name) == len(prefix) + STAGING_SUFFIX_CHARS:
+                    shutil.rmtree(stale, ignore_errors=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
             try:
                 marker = build(staging)

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,8 +147,10 @@ def converted_gguf_dir(gguf: Path, model_cache_dir: Path) -> Path:
     target = model_cache_dir / f"gguf-{slug}-{identity}"
     try:
         publish_once(target, lambda staging: _convert_gguf(gguf, staging))
-    except (ValueError, KeyError) as exc:  # transformers: an architecture or tensor type it cannot read
-        raise ModelNotFound(f"cannot convert {gguf}: {exc}") from exc
+    # transformers' GGUF reader: ValueError/KeyError for an architecture or tensor type it cannot
+    # read, struct.error for a truncated file.
+    except (ValueError, KeyError, struct.error) as exc:
+        raise ModelNotFound(f"cannot convert {gguf}: {exc or type(exc).__name__}") from exc
     return target
 
 
@@ -214,7 +217,8 @@ def load_model(model: str, model_cache_dir: Path, device: str, dtype: str) -> Lo
 
     try:
         tokenizer, loaded = load_from_hub(source.location, load) if source.hub else load(source.location)
-    except (OSError, ValueError) as exc:
+    # TypeError: a config.json that is JSON but not an object (`[]`), read by transformers.
+    except (OSError, ValueError, TypeError) as exc:
         raise ModelUnavailable(f"cannot load the model in {source.location}: {exc}") from exc
     loaded = loaded.to(device).eval()
     path = Path(snapshot_dir(source.location)) if source.hub else Path(source.location)

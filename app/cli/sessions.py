@@ -15,7 +15,7 @@ import typer
 from app.cli.groups import CLIError, CommandGroup
 from app.cli.home import open_admin
 from app.cli.options import JsonOption, ServerOption, TenantOption, YesOption
-from app.cli.output import confirm, count, print_data, print_pairs, print_table, when
+from app.cli.output import confirm, count, print_data, print_pairs, print_table, shown, when
 
 if TYPE_CHECKING:
     from sessions import Json
@@ -193,7 +193,7 @@ def _render_transcript(transcript: Json) -> None:
     turns = count(sum(1 for m in transcript["messages"] if m["role"] == "user"), "turn")
     typer.echo(f"session {s['id']} (tenant {s['tenant']}), {turns}, cache {s['tier'] or 'not stored'}")
     if s["title"]:
-        typer.echo(f"title: {s['title']}")
+        typer.echo(f"title: {shown(s['title'])}")
     if s["origin"] == "fork":
         typer.echo(_origin_text(s))
     blocks: list[tuple[str, str | None, str]] = []
@@ -204,7 +204,7 @@ def _render_transcript(transcript: Json) -> None:
         typer.echo("\n(no messages yet)")
     for role, at, text in blocks:
         typer.echo(f"\n[{role}{'' if at is None else ' · ' + at}]")
-        typer.echo(text)
+        typer.echo(shown(text, lines=True))
 
 
 @sessions_app.command("evict")

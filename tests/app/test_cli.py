@@ -21,6 +21,7 @@ from sqlalchemy import update
 from typer.testing import CliRunner, Result
 
 from app.cli import app
+from app.cli.output import shown as shown_text
 from cache.serialization import FORMAT_VERSION
 from sessions.engine import Engine
 from sessions.manager import SessionManager
@@ -385,7 +386,7 @@ def test_sessions_show_prints_the_conversation(cli: Cli, home: Path, tiny_engine
 
     plain = cli.ok("sessions", "show", sid, "--tenant", "acme").stdout
     expected = f"session {sid} (tenant acme), 2 turns, cache disk\n\n[system]\nYou are terse.\n" + "".join(
-        f"\n[{m.role} · {m.created_at:%Y-%m-%d %H:%M:%S}]\n{m.text}\n" for m in history
+        f"\n[{m.role} · {m.created_at:%Y-%m-%d %H:%M:%S}]\n{shown_text(m.text, lines=True)}\n" for m in history
     )
     assert plain == expected
 
@@ -401,6 +402,20 @@ def test_sessions_show_prints_the_conversation(cli: Cli, home: Path, tiny_engine
         assert_one_line_error(cli("sessions", "show", sid, "--tenant", "globex")) == f"error: session not found: {sid}"
     )
     assert_one_line_error(cli("sessions", "show", "s_missing", "--tenant", "acme"))
+
+
+def test_sessions_show_and_list_print_terminal_escapes_as_text(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    with SessionManager(make_settings(home), engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, title="evil\x1b]0;pwned\x07\n[assistant]", system_prompt="Be\x1b[2J brief.")
+        manager.chat(tenant, sid, "hi\x1b[31m\nthere", max_new_tokens=2)
+    plain = cli.ok("sessions", "show", sid, "--tenant", "acme").stdout
+    listed = cli.ok("sessions", "list").stdout
+    assert "\x1b" not in plain + listed and "\x07" not in plain + listed
+    assert "title: evil\\x1b]0;pwned\\x07\\x0a[assistant]\n" in plain  # one line: no forged block
+    assert "\n[system]\nBe\\x1b[2J brief.\n" in plain
+    assert "]\nhi\\x1b[31m\nthere\n" in plain  # a message keeps its line breaks
+    assert "evil\\x1b]0;pwned" in listed
 
 
 def test_stats_and_master_key_rotation(cli: Cli, home: Path, tiny_engine: Engine) -> None:

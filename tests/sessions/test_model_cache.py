@@ -89,6 +89,17 @@ def test_a_failed_conversion_leaves_no_target_and_the_next_one_builds(tmp_path: 
     assert publish_once(target, lambda staging: pytest.fail("built twice")) is False
 
 
+def test_a_build_killed_before_its_rename_leaves_nothing_after_the_next_build(tmp_path: Path) -> None:
+    target = tmp_path / "cache" / "model"
+    killed = tmp_path / "cache" / ".model-k1ll3d_0"  # a dead process's staging folder (SIGKILL, OOM)
+    (killed / "part").mkdir(parents=True)
+    (killed / "part" / "model.safetensors").write_bytes(b"half")
+    other = tmp_path / "cache" / ".model-v2-abcd1234"  # another target's build: not ours to remove
+    other.mkdir()
+    assert publish_once(target, lambda staging: "{}") is True
+    assert sorted(p.name for p in target.parent.iterdir() if p.is_dir()) == [".model-v2-abcd1234", "model"]
+
+
 def test_a_conversion_held_too_long_by_another_process_is_a_typed_error(tmp_path: Path) -> None:
     target = tmp_path / "models" / "some-model"
     target.parent.mkdir()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sessions.errors import ModelNotFound
+from sessions.errors import ModelNotFound, ModelUnavailable
 from sessions.model_hub import hub_unreachable_reason
 from sessions.model_source import BUNDLED_NAME, bundled_gguf_path, load_model, resolve_model
 from tests.conftest import MODEL_CACHE
@@ -75,3 +75,17 @@ def test_a_gguf_file_that_is_no_gguf_is_model_not_found_and_leaves_no_copy(tmp_p
     with pytest.raises(ModelNotFound, match=r"^cannot convert .*notes\.gguf: .*not a GGUF file"):
         load_model(str(bad), cache, "cpu", "float32")
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.real_model
+def test_a_truncated_gguf_and_a_config_that_is_no_object_are_typed_errors(tmp_path: Path) -> None:
+    truncated = tmp_path / "cut.gguf"
+    with bundled_gguf_path().open("rb") as whole:
+        truncated.write_bytes(whole.read(1_000_000))  # the header, and the tensors cut off
+    with pytest.raises(ModelNotFound, match=r"^cannot convert .*cut\.gguf"):
+        load_model(str(truncated), tmp_path / "models", "cpu", "float32")
+    folder = tmp_path / "odd-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("[]")
+    with pytest.raises(ModelUnavailable, match=r"^cannot load the model in .*odd-model"):
+        load_model(str(folder), tmp_path / "models", "cpu", "float32")
