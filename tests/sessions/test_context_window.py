@@ -55,7 +55,7 @@ def test_conversation_of_100k_tokens_stays_within_a_small_window(tmp_path: Path,
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="You keep answers short.")
         key = manager.tiers_key(tenant, sid)
-        message = "tell me a long story about " + "the sea and the sky " * 40  # ~ 250 tokens a turn
+        message = "tell me a long story about " + "the sea and the sky " * 70  # ~ 400 tokens a turn
         total = 0
         turns = 0
         while total < 100_000:

@@ -386,9 +386,19 @@ def test_close_cancels_turns_in_flight_and_refuses_new_ones(tmp_path: Path, tiny
     sid = manager.open_session(tenant)
     stream = manager.stream_chat(tenant, sid, "hello", max_new_tokens=500, temperature=1.0, seed=2)
     next(stream)
-    manager.close()
-    with pytest.raises(ManagerClosed):
-        list(stream)
+    ended: list[BaseException] = []
+
+    def read_on() -> None:  # the caller keeps reading, as a server's response does
+        try:
+            list(stream)
+        except ManagerClosed as exc:
+            ended.append(exc)
+
+    reader = threading.Thread(target=read_on)
+    reader.start()
+    manager.close()  # returns once the cancelled turn let go of its session
+    reader.join(timeout=60)
+    assert len(ended) == 1 and not reader.is_alive()
     with pytest.raises(ManagerClosed):
         manager.chat(tenant, sid, "again")
     with pytest.raises(ManagerClosed):
