@@ -3,7 +3,7 @@
 `--users` (8) simulated users (threads, each with its own official `openai` client) hold
 `--turns` (5) turn conversations at the same time with one `chatkv serve` process, the stateless
 way stock clients do: every request posts the whole conversation so far, streamed (SSE), greedy.
-Two servers, one after the other, on the same real default model:
+Servers one after the other, on the same real default model:
 
 - **chatkv**: the server finds each posted history's session and continues it from its cache
   (`usage.prompt_tokens_details.cached_tokens` says how much was served from it);
@@ -11,14 +11,16 @@ Two servers, one after the other, on the same real default model:
   takes the rebuild path (the whole conversation prefilled, no prefix pool, no cache kept), what a
   server without KV reuse does.
 
-On the chatkv server the same users then hold the same conversations the Responses way
-(**responses**): each turn sends only the new user message with `previous_response_id` (the
-stream of `client.responses.create(..., stream=True)`), so the chain continues its session with
-nothing posted twice and nothing looked up by history.
+A third server holds the same conversations the Responses way (**responses**): each turn sends
+only the new user message with `previous_response_id` (the stream of
+`client.responses.create(..., stream=True)`), so the chain continues its session with nothing
+posted twice and nothing looked up by history. Each pattern has a fresh server of its own, so
+neither runs beside the other's sessions (an earlier version ran Responses second on the chatkv
+server, behind 8 sessions' write-backs).
 
 Per turn: TTFT as the client sees it (request sent to the first SSE chunk with content), median and
 p95 over users; then aggregate throughput (completion tokens of every turn of every user over the
-wall time of the whole run). Replies are compared across the two servers (greedy: they should be
+wall time of the whole run). Replies are compared across the servers (greedy: they should be
 identical; batching can flip a near-tie, which is reported, not hidden).
 
     .venv/bin/python benchmarks/http_multiturn.py [--quick] [--threads 1]
@@ -160,25 +162,19 @@ def _record(run: UserRun, turn: dict[str, Any]) -> None:
 
 
 def measure(
-    engine: Engine, root: Path, args: argparse.Namespace, messages: list[list[str]], reuse: bool
+    engine: Engine, root: Path, args: argparse.Namespace, messages: list[list[str]], pattern: str
 ) -> dict[str, dict[str, Any]]:
-    """The stateless pattern on one server (`reuse`: chatkv, else re-prefill); on chatkv's, then
-    the Responses pattern too. Returns the results by pattern name."""
-    home = root / ("reuse" if reuse else "prefill") / "home"
+    """One pattern (`chatkv`, `responses` or `re-prefill`) on a fresh server of its own. Returns
+    its results under its name."""
+    home = root / pattern / "home"
     with open_manager(home, engine, args.model_cache_dir) as manager:
         key = manager.issue_api_key(manager.create_tenant("bot"))
         model = manager.model_name
-    name = "reuse" if reuse else "prefill"
-    settings = {"CHATKV_REUSE_KV": "1" if reuse else "0"}
-    with chatkv_server(home, args, settings, home.parent / f"server-{name}.log") as url:
+    settings = {"CHATKV_REUSE_KV": "0" if pattern == "re-prefill" else "1"}
+    with chatkv_server(home, args, settings, home.parent / f"server-{pattern}.log") as url:
         warm = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
         stream_turn(warm, model, [{"role": "user", "content": "Warm up."}], 4)  # kernels, allocator
-        if not reuse:
-            return {"re-prefill": run_users(url, key, model, messages, args)}
-        return {
-            "chatkv": run_users(url, key, model, messages, args),
-            "responses": run_users(url, key, model, messages, args, responses=True),
-        }
+        return {pattern: run_users(url, key, model, messages, args, responses=pattern == "responses")}
 
 
 def main() -> None:
@@ -208,8 +204,9 @@ def main() -> None:
     ]
     with temp_dir("http-multiturn") as root:
         results = {
-            **measure(engine, root, args, messages, reuse=True),
-            **measure(engine, root, args, messages, reuse=False),
+            **measure(engine, root, args, messages, "chatkv"),
+            **measure(engine, root, args, messages, "responses"),
+            **measure(engine, root, args, messages, "re-prefill"),
         }
     ours, base, chained = results["chatkv"]["runs"], results["re-prefill"]["runs"], results["responses"]["runs"]
     rows = []
@@ -270,7 +267,7 @@ def main() -> None:
     print(f"each user's turns continued one session: {'yes' if one_session else 'NO'}")
     same = sum(a.replies == b.replies for a, b in zip(ours, base, strict=True))
     verdict = "yes" if same == len(ours) else f"WARNING: {len(ours) - same} of {len(ours)} differ"
-    print(f"replies identical across the two servers: {verdict}")
+    print(f"replies identical, chatkv and re-prefill: {verdict}")
     same = sum(a.replies == b.replies for a, b in zip(ours, chained, strict=True))
     verdict = "yes" if same == len(ours) else f"WARNING: {len(ours) - same} of {len(ours)} differ"
     print(f"replies identical between chat completions and responses: {verdict}")
