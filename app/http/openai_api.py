@@ -263,7 +263,7 @@ def _complete(
                 params,
                 cancel,
             )
-    except BaseException:
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
@@ -274,7 +274,7 @@ def _complete(
         return EventStream(_chunks(turn, head, include_usage, guard), headers=headers)
     try:
         reply = turn.run()
-    except BaseException:
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     finally:

@@ -255,7 +255,7 @@ def _create(
         else:
             started = _start(manager, tenant, body, conversation, params, cancel, store)
             run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
-    except BaseException:
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     if body.stream:
@@ -264,7 +264,7 @@ def _create(
     try:
         reply = run.turn.run()
         final = _finish(manager, tenant, run, reply, body.previous_response_id)
-    except BaseException:
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     finally:

@@ -317,7 +317,7 @@ def _send(
         return JSONResponse(recorded.model_dump(), headers=headers)
     try:
         turn = start_turn(manager, tenant, session_id, message, params, cancel=cancel)
-    except BaseException:
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     headers = {SESSION_HEADER: turn.session_id}
@@ -325,7 +325,7 @@ def _send(
         return EventStream(_events(turn, guard), headers=headers)
     try:
         reply = turn.run()
-    except BaseException:
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     finally:
