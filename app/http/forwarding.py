@@ -36,8 +36,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.http.api_errors import error_body, error_response
+from app.http.api_turns import run_watching_disconnect
 from app.http.sse import event
-from sessions import Route, SessionManager
+from sessions import CancelToken, Route, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,26 @@ class Forwarder:
         if route.kind != "forward":
             return None
         return await self.forward(request, body, route)
+
+    async def run_turn(
+        self,
+        request: Request,
+        decide: Callable[[bool], Route],
+        run: Callable[[bytes, CancelToken], Response],
+    ) -> Response:
+        """A turn-creating route's answer: the owner's when `decide` forwards it (`answer`), else
+        `run(body, cancel)` here in the threadpool, `cancel` set if the client goes away first
+        (`run_watching_disconnect`: the turn stops and stores nothing).
+
+        Raises:
+            ChatKVError, ApiError: what `decide` or `run` raises (answered as the route's errors).
+        """
+        raw = await request.body()
+        forwarded = await self.answer(request, raw, decide)
+        if forwarded is not None:  # the session's owner answered
+            return forwarded
+        cancel = CancelToken()
+        return await run_watching_disconnect(request, cancel, lambda: run(raw, cancel))
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:

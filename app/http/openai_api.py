@@ -55,7 +55,6 @@ from app.http.api_turns import (
     check_message,
     continue_history,
     named_turn,
-    run_watching_disconnect,
     usage,
 )
 from app.http.chat_request import (
@@ -189,15 +188,10 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarde
     ) -> Response:
         """Create a chat completion, continuing a server-side session (explicit or found by history).
         A client that disconnects before the answer is complete cancels the turn; nothing is stored."""
-        raw = await request.body()
-        forwarded = await forwarder.answer(
-            request, raw, lambda hop: _route(manager, body, tenant, x_session_id, forwarded=hop)
-        )
-        if forwarded is not None:  # the session's owner answered
-            return forwarded
-        cancel = CancelToken()
-        return await run_watching_disconnect(
-            request, cancel, lambda: _complete(manager, body, raw, tenant, x_session_id, idempotency_key, cancel)
+        return await forwarder.run_turn(
+            request,
+            lambda hop: _route(manager, body, tenant, x_session_id, forwarded=hop),
+            lambda raw, cancel: _complete(manager, body, raw, tenant, x_session_id, idempotency_key, cancel),
         )
 
     return router

@@ -45,7 +45,6 @@ from app.http.api_turns import (
     IdempotencyGuard,
     StartedTurn,
     TurnParams,
-    run_watching_disconnect,
     start_turn,
 )
 from app.http.forwarding import Forwarder
@@ -152,13 +151,10 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
     ) -> Response:
         """Create a response, continuing or branching a chain with `previous_response_id`. A client
         that disconnects before the answer is complete cancels the turn; nothing is stored."""
-        raw = await request.body()
-        forwarded = await forwarder.answer(request, raw, lambda hop: _route(manager, body, tenant, forwarded=hop))
-        if forwarded is not None:  # the session's owner answered
-            return forwarded
-        cancel = CancelToken()
-        return await run_watching_disconnect(
-            request, cancel, lambda: _create(manager, body, raw, tenant, idempotency_key, cancel, in_flight)
+        return await forwarder.run_turn(
+            request,
+            lambda hop: _route(manager, body, tenant, forwarded=hop),
+            lambda raw, cancel: _create(manager, body, raw, tenant, idempotency_key, cancel, in_flight),
         )
 
     @router.get("/responses/{response_id}", responses={404: {"description": "No such stored response."}})

@@ -40,7 +40,6 @@ from app.http.api_turns import (
     TurnParams,
     Usage,
     check_message,
-    run_watching_disconnect,
     start_turn,
     usage,
 )
@@ -258,13 +257,10 @@ def session_router(
     ) -> Response:
         """Send a user message; the reply with its usage and stats (or SSE events with `stream`). A
         client that disconnects before the reply is complete cancels the turn; nothing is stored."""
-        raw = await request.body()
-        forwarded = await owner_answer(request, raw, tenant, session_id)
-        if forwarded is not None:  # the session's owner answered
-            return forwarded
-        cancel = CancelToken()
-        return await run_watching_disconnect(
-            request, cancel, lambda: _send(manager, session_id, body, raw, tenant, idempotency_key, cancel)
+        return await forwarder.run_turn(
+            request,
+            lambda hop: manager.route_turn(tenant, session_id, forwarded=hop),
+            lambda raw, cancel: _send(manager, session_id, body, raw, tenant, idempotency_key, cancel),
         )
 
     @router.post(

@@ -319,7 +319,7 @@ def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(runner.preparer, "_prepare_rebuild", slow_prepare)
-    monkeypatch.setattr("app.http.openai_api.CancelToken", _RecordedTokens)
+    monkeypatch.setattr("app.http.forwarding.CancelToken", _RecordedTokens)
     _RecordedTokens.made.clear()
     before, steps = server.stored(), server.manager.engine.loop.stats().steps
 
