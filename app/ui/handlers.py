@@ -352,14 +352,15 @@ class ChatUI:
         """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
         then ends with `STOPPED_NOTE` once the session is free (a regenerate or an edit with
         `FORK_STOPPED_NOTE`, its fork deleted); nothing of the turn is stored.
-        Returns the Stop button's update (disabled until `send` hides it). Its only output: the
-        tab's state is `send`'s to change."""
+        Returns the Stop button's update: disabled, its visibility left to `send` (which hides it;
+        if that update lands first, showing it again here would leave a dead button). Its only
+        output: the tab's state is `send`'s to change."""
         tenant = self._tenant(state)
         if not isinstance(tenant, View) and state.session_id is not None:
             turn = self._turns.find(str(tenant.id), str(state.session_id))
             if turn is not None:
                 turn.stop()
-        return stop_button_update(True, interactive=False)
+        return gr.update(interactive=False)
 
     def wait_for_turns(self, timeout_s: float) -> bool:
         """Wait until the turns in flight (of any tab, also of tabs that went away) are stored;

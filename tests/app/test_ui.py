@@ -465,7 +465,7 @@ def test_stop_discards_the_reply_and_frees_the_session_at_once(tiny_manager: Ses
     streaming = next(stream)
     assert streaming.chatbot[-1]["role"] == "assistant" and streaming.chatbot[-1]["content"]
 
-    assert ui.stop(streaming.state) == {"__type__": "update", "visible": True, "interactive": False}
+    assert ui.stop(streaming.state) == {"__type__": "update", "interactive": False}
     stopped = list(stream)[-1]
     assert stopped.reply_note == note_html(STOPPED_NOTE, kind="stopped")
     assert 'data-note="stopped"' in stopped.reply_note
@@ -499,8 +499,8 @@ def test_stopping_a_first_turn_deletes_the_session_it_started(tiny_manager: Sess
 def test_stop_without_a_turn_in_flight_changes_nothing(tiny_manager: SessionManager) -> None:
     ui = ChatUI(tiny_manager, local=True)
     done = _send(ui, ui.on_load(ViewState()).state, "Hello")[-1]
-    assert ui.stop(done.state) == {"__type__": "update", "visible": True, "interactive": False}
-    assert ui.stop(ViewState()) == {"__type__": "update", "visible": True, "interactive": False}
+    assert ui.stop(done.state) == {"__type__": "update", "interactive": False}
+    assert ui.stop(ViewState()) == {"__type__": "update", "interactive": False}
     assert len(tiny_manager.history(LOCAL_TENANT, str(done.state.session_id))) == 2
 
 
