@@ -43,6 +43,7 @@ from app.ui.view import (
     remembered_session,
     remembered_value,
     stop_button_update,
+    unchanged_view,
 )
 from sessions import ChatKVError, InvalidInput, Reply, Tenant, TenantExists, TenantNotFound
 
@@ -163,10 +164,15 @@ class ChatUI:
             return make_view(state, error_line=error_html(str(exc)))
 
     def select_session(self, session_id: str | None, state: ViewState) -> View:
-        """Open one of the tenant's sessions and show its history."""
+        """Open one of the tenant's sessions and show its history. The session already open
+        changes nothing: the picker sends its value on every blur too (Gradio's dropdown fires
+        `input` when it loses focus), and a reload then would put away a delete question asked by
+        the click that took the focus, or redraw a reply streaming in this tab."""
         tenant = self._tenant(state)
         if isinstance(tenant, View):
             return tenant
+        if session_id and session_id == state.session_id:
+            return unchanged_view()
         if not session_id:
             return make_view(
                 replace(state, session_id=None, shown=(), stats_rows=()),

@@ -10,7 +10,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from sessions import ChatKVError, InvalidInput, Reply, Tenant
@@ -71,9 +71,11 @@ class Turn:
         first token), unless the reply is complete and stored by then."""
         self._stop.set()
 
-    def run(self) -> None:
+    def run(self, before_end: Callable[[], None] | None = None) -> None:
         """Run the turn to its end, queueing what it yields (the worker thread's body). `END` is
-        queued only once the stream is closed, so a stopped turn's session is free by then."""
+        queued only once the stream is closed, so a stopped turn's session is free by then, and
+        after `before_end` has run (`TurnThreads` forgets the turn there: a tab that has seen
+        the stored reply must find the session free, e.g. to delete it at once)."""
         stream = self.manager.stream_chat(
             self.tenant,
             self.session_id,
@@ -100,6 +102,8 @@ class Turn:
                 self._delete_made_session()
             self.items.put(exc)
         finally:
+            if before_end is not None:
+                before_end()
             self.items.put(Turn.END)
 
     def _delete_made_session(self) -> None:
@@ -158,14 +162,18 @@ class TurnThreads:
 
         key = (str(turn.tenant.id), str(turn.session_id))
 
+        def forget() -> None:
+            with self._lock:
+                if self._streaming.get(key) is turn:
+                    del self._streaming[key]
+
         def work() -> None:
             try:
-                turn.run()
+                turn.run(before_end=forget)
             finally:
+                forget()
                 with self._lock:
                     self._threads.discard(thread)
-                    if self._streaming.get(key) is turn:
-                        del self._streaming[key]
 
         thread = threading.Thread(target=work, name=f"chatkv-turn-{turn.session_id}", daemon=True)
         with self._lock:

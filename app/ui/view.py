@@ -68,6 +68,12 @@ def make_view(state: ViewState, **changes: Any) -> View:
     return View(**values)
 
 
+def unchanged_view() -> View:
+    """A view that changes nothing, the tab's state included (`gr.update()` keeps a `gr.State`):
+    for an event that comes after others may have changed the state it was sent with."""
+    return View._make(gr.update() for _ in View._fields)
+
+
 DELETE_HIDDEN: dict[str, Any] = {"delete_panel": gr.update(visible=False), "delete_question": ""}
 """The outputs that put the delete question away."""
 

@@ -447,7 +447,7 @@ def test_opening_a_session_says_stats_cover_this_page_visit(tiny_manager: Sessio
     reopened = ui.select_session(done.state.session_id, ui.on_load(ViewState()).state)
     assert "this page visit" in reopened.stats_line and reopened.stats_table == []
     empty = ui.new_session("", "", reopened.state).state
-    assert ui.select_session(empty.session_id, empty).stats_line == ""
+    assert ui.select_session(empty.session_id, reopened.state).stats_line == ""
 
 
 # -- stop, token limit, picker labels, the remembered session ----------------------------------------
@@ -547,7 +547,7 @@ def test_the_open_session_is_remembered_for_the_next_page_load(tiny_manager: Ses
     tenant, sid = chatted.state.tenant, chatted.state.session_id
     assert tenant is not None and sid is not None
     remembered = {"tenant": str(tenant.id), "session": sid}
-    assert ui.select_session(sid, chatted.state).remembered == remembered
+    assert ui.select_session(sid, ui.leave_session(chatted.state).state).remembered == remembered
 
     reloaded = ui.on_load(ViewState(), remembered)  # a new tab state, the browser's stored value
     assert reloaded.state.session_id == sid and reloaded.state.shown == chatted.state.shown

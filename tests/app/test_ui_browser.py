@@ -333,6 +333,7 @@ def test_retry_on_the_last_reply_opens_a_fork_and_keeps_the_original(chromium: P
             options = [text.splitlines()[-1].split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
             assert sorted(options) == ["Hello there", fork_label]
             page.keyboard.press("Escape")
+            page.get_by_role("option").first.wait_for(state="hidden", timeout=TURN_TIMEOUT_MS)
 
             # Delete the fork (open): the page asks first, then the picker keeps only the original.
             page.locator("#delete-session").click()

@@ -65,13 +65,26 @@ def test_keeping_it_deletes_nothing_and_opening_another_session_puts_the_questio
     assert kept.state == chatted.state
     assert [info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)] == [sid]
 
+    other = _chatted(ui, ui.leave_session(chatted.state).state, "another")
+    assert other.state.session_id is not None
     asked = ui.ask_delete(chatted.state)
     for moved in (
-        ui.select_session(sid, asked.state),
+        ui.select_session(other.state.session_id, asked.state),
         ui.new_session("", "", asked.state),
         ui.leave_session(asked.state),
     ):
         assert moved.delete_panel == HIDDEN and moved.state.deleting is None
+
+
+def test_the_picker_sending_the_open_session_again_changes_nothing(tiny_manager: SessionManager) -> None:
+    # Gradio's dropdown sends its value when it loses focus, e.g. to the Delete button's click:
+    # the open session must not be reloaded over the question that click asks.
+    ui = ChatUI(tiny_manager, local=True)
+    chatted = _chatted(ui, ui.on_load(ViewState()).state, "hello")
+    asked = ui.ask_delete(chatted.state)
+    again = ui.select_session(chatted.state.session_id, chatted.state)
+    assert all(value == {"__type__": "update"} for value in again)  # the state too: `deleting` stays
+    assert asked.state.deleting == chatted.state.session_id
 
 
 def test_the_answer_deletes_the_session_the_question_named(tiny_manager: SessionManager) -> None:
