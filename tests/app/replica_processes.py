@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.app.server_process import start_serve
+from tests.app.server_process import launch_serve, wait_until_serving
 
 
 @dataclass
@@ -62,19 +62,30 @@ class Replica:
 def start_replica(home: Path, model: str, settings: Mapping[str, str]) -> Replica:
     """`chatkv serve --model MODEL` on its own home with `CHATKV_*` `settings` (names without the
     prefix); returns once it answers `/healthz`."""
+    replica = launch_replica(home, model, settings)
+    wait_until_serving(replica.url, replica.process, replica.log)
+    return replica
+
+
+def launch_replica(home: Path, model: str, settings: Mapping[str, str]) -> Replica:
+    """`start_replica` without waiting for it to answer."""
     home.mkdir(parents=True, exist_ok=True)
     log = home / "serve.log"
-    url, process = start_serve(home, model, log, {"threads": "1", **settings})
+    url, process = launch_serve(home, model, log, {"threads": "1", **settings})
     return Replica(url, home, log, process)
 
 
 @contextlib.contextmanager
 def replicas(root: Path, model: str, settings: Mapping[str, str], count: int = 2) -> Iterator[list[Replica]]:
-    """`count` replicas started side by side, stopped (or already killed) at the end."""
+    """`count` replicas started side by side (launched together, then each waited for), stopped
+    (or already killed) at the end. The caller has migrated the database (`make_tenants`), so
+    the replicas' start-up finds it current."""
     started: list[Replica] = []
     try:
         for index in range(count):
-            started.append(start_replica(root / f"replica{index}", model, settings))
+            started.append(launch_replica(root / f"replica{index}", model, settings))
+        for replica in started:
+            wait_until_serving(replica.url, replica.process, replica.log)
         yield started
     finally:
         for replica in started:

@@ -73,6 +73,14 @@ def start_serve(home: Path, model: str, log: Path, settings: Mapping[str, str]) 
     """Start `chatkv serve --model MODEL` on `home` with `CHATKV_*` `settings` (names without the
     prefix), its output in `log`; return its URL and process once it answers `/healthz` (killed,
     and `AssertionError`, if it does not)."""
+    url, process = launch_serve(home, model, log, settings)
+    wait_until_serving(url, process, log)
+    return url, process
+
+
+def launch_serve(home: Path, model: str, log: Path, settings: Mapping[str, str]) -> tuple[str, subprocess.Popen[bytes]]:
+    """`start_serve` without the wait: processes launched together start side by side (most of a
+    start is importing torch and loading the model, one core each); `wait_until_serving` then."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = child_env(
@@ -86,13 +94,18 @@ def start_serve(home: Path, model: str, log: Path, settings: Mapping[str, str]) 
     command = [sys.executable, "-c", "from app.cli import main; main()", "serve", "--port", str(port), "--model", model]
     with log.open("wb") as out:
         process = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=out)
+    return url, process
+
+
+def wait_until_serving(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Return once the launched server answers `/healthz`; kill it and raise `AssertionError`
+    if it exits or does not answer within `START_TIMEOUT_S`."""
     try:
         _wait_until_up(url, process, log)
     except AssertionError:
         process.kill()
         process.wait()
         raise
-    return url, process
 
 
 def _wait_until_up(url: str, process: subprocess.Popen[bytes], log: Path) -> None:

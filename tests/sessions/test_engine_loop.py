@@ -126,7 +126,7 @@ def test_eight_concurrent_sessions_reply_as_each_would_alone(loop_manager: Sessi
         return tenants[i % 4], manager.open_session(tenants[i % 4], system_prompt="You are a helpful assistant.")
 
     def two_turns(tenant: object, sid: str, i: int) -> list[Reply]:
-        return [manager.chat(tenant, sid, text, max_new_tokens=16) for text in (PROMPTS[i], "And then?")]  # type: ignore[arg-type]
+        return [manager.chat(tenant, sid, text, max_new_tokens=8) for text in (PROMPTS[i], "And then?")]  # type: ignore[arg-type]
 
     solo = [two_turns(*session(i), i) for i in range(8)]
     pairs = [session(i) for i in range(8)]
