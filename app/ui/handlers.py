@@ -164,14 +164,15 @@ class ChatUI:
             return make_view(state, error_line=error_html(str(exc)))
 
     def select_session(self, session_id: str | None, state: ViewState) -> View:
-        """Open one of the tenant's sessions and show its history. The session already open
-        changes nothing: the picker sends its value on every blur too (Gradio's dropdown fires
-        `input` when it loses focus), and a reload then would put away a delete question asked by
-        the click that took the focus, or redraw a reply streaming in this tab."""
+        """Open one of the tenant's sessions and show its history. The session already open (or
+        none while none is open) changes nothing: the picker sends its value on every blur too
+        (Gradio's dropdown fires `input` when it loses focus), and a reload then would put away a
+        delete question asked by the click that took the focus, redraw a reply streaming in this
+        tab, or write back a state that a New session or Sign out click has changed meanwhile."""
         tenant = self._tenant(state)
         if isinstance(tenant, View):
             return tenant
-        if session_id and session_id == state.session_id:
+        if (session_id or None) == state.session_id:  # the open one, or none while none is open
             return unchanged_view()
         if not session_id:
             return make_view(

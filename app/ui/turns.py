@@ -76,14 +76,16 @@ class Turn:
         queued only once the stream is closed, so a stopped turn's session is free by then, and
         after `before_end` has run (`TurnThreads` forgets the turn there: a tab that has seen
         the stored reply must find the session free, e.g. to delete it at once)."""
-        stream = self.manager.stream_chat(
-            self.tenant,
-            self.session_id,
-            self.text,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-        )
         try:
+            # Inside the try: bad input (a message over the length limit) or a closed manager
+            # raises at the call, and the tab must still get the error and `END`.
+            stream = self.manager.stream_chat(
+                self.tenant,
+                self.session_id,
+                self.text,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+            )
             # Closing the stream cancels the turn at the engine's next step; nothing is stored.
             with contextlib.closing(stream):
                 for item in stream:

@@ -4,6 +4,7 @@ model, a real SQLite file and real encryption."""
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -34,6 +35,7 @@ from app.ui.forks import (
 from app.ui.render import error_html, note_html
 from app.ui.sessions import ago
 from sessions.manager import SessionManager
+from sessions.validation import MAX_MESSAGE_CHARS
 
 UNKNOWN_KEY_HTML = error_html(UNKNOWN_KEY_MESSAGE)
 
@@ -394,6 +396,21 @@ def test_a_failed_first_turn_deletes_the_session_it_started(tiny_manager: Sessio
     assert failed.session_picker["choices"] == []
     assert tiny_manager.list_sessions(LOCAL_TENANT) == []
     # A session the user opened is kept when its turn fails (test_manager_errors_become_one_line...).
+
+
+def test_a_message_refused_when_its_turn_starts_ends_the_tab_s_turn_with_one_line(tiny_manager: SessionManager) -> None:
+    # The manager refuses a message over MAX_MESSAGE_CHARS at the stream_chat call itself, in the
+    # turn's worker thread: the tab must still get the error (it waited for ever before).
+    ui = ChatUI(tiny_manager, local=True)
+    state = ui.on_load(ViewState()).state
+    views: list[View] = []
+    worker = threading.Thread(target=lambda: views.extend(_send(ui, state, "x" * (MAX_MESSAGE_CHARS + 1))), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the tab never got the end of its turn"
+    assert "characters" in views[-1].error_line and views[-1].state == state
+    assert tiny_manager.list_sessions(LOCAL_TENANT) == []  # the session made for the send is gone
+    assert ui.wait_for_turns(5)
 
 
 def test_untitled_sessions_are_labelled_by_their_first_message(tiny_manager: SessionManager) -> None:

@@ -85,6 +85,9 @@ def test_the_picker_sending_the_open_session_again_changes_nothing(tiny_manager:
     again = ui.select_session(chatted.state.session_id, chatted.state)
     assert all(value == {"__type__": "update"} for value in again)  # the state too: `deleting` stays
     assert asked.state.deleting == chatted.state.session_id
+    # No session open and the picker empty: its blur beside New session must not undo that click.
+    empty = ui.leave_session(chatted.state).state
+    assert all(value == {"__type__": "update"} for value in ui.select_session(None, empty))
 
 
 def test_the_answer_deletes_the_session_the_question_named(tiny_manager: SessionManager) -> None:
