@@ -139,12 +139,6 @@ def _gone_where_the_response_is_stored(served: Served, body: bytes, key: str) ->
                     query = "SELECT count(*) FROM pg_stat_activity WHERE :me = ANY(pg_blocking_pids(pid))"
                     return bool(watcher.execute(text(query), {"me": me}).scalar_one())
 
-            address: list[str] = []
-
-            def stored_next(events: list[Event]) -> bool:
-                _until(server_waits, "the server waits to store the response")
-                return True
-
             with (
                 httpx.Client(timeout=120) as client,
                 client.stream(
@@ -156,13 +150,11 @@ def _gone_where_the_response_is_stored(served: Served, body: bytes, key: str) ->
             ):
                 assert response.status_code == 200
                 host, port = response.extensions["network_stream"].get_extra_info("client_addr")
-                address.append(f"client {host}:{port} went away before the answer to POST /v1/responses ended")
-                events = []
-                for event in _events(response.iter_lines()):
-                    events.append(event)
-                    if stored_next(events):
-                        break
-            _until(lambda: address[0] in served.log.read_text(), "the server saw the client go")
+                stream = _events(response.iter_lines())  # kept: a dropped line iterator closes the response
+                events = [next(stream)]  # response.created: the turn runs
+                _until(server_waits, "the server waits to store the response")
+            gone = f"client {host}:{port} went away before the answer to POST /v1/responses ended"
+            _until(lambda: gone in served.log.read_text(), "the server saw the client go")
             holder.rollback()
     finally:
         database.dispose()
