@@ -14,13 +14,19 @@ from typing import TYPE_CHECKING, Any
 from cache.ids import SessionId, TenantId
 from sessions.admin import AdminOps, Json
 from sessions.cancellation import CancelToken
-from sessions.conversations import ConversationRecord, ConversationRecords
+from sessions.conversations import (
+    MAX_CONVERSATION_BYTES,
+    MAX_CONVERSATION_ITEMS,
+    ConversationRecord,
+    ConversationRecords,
+)
 from sessions.database import database_revision, head_revision, open_database, upgrade_database
 from sessions.errors import (
     BackendUnavailable,
     ChatKVError,
     ContextTooLong,
     ConversationNotFound,
+    ConversationTooLarge,
     HistoryTooLong,
     HomeLocked,
     InvalidInput,
@@ -83,6 +89,8 @@ if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accep
 
 __all__ = [
     "ADMIN_TOKEN_FILE",
+    "MAX_CONVERSATION_BYTES",
+    "MAX_CONVERSATION_ITEMS",
     "MAX_DURATION_S",
     "MAX_MESSAGE_CHARS",
     "SESSION_ID_PREFIX",
@@ -96,6 +104,7 @@ __all__ = [
     "ConversationNotFound",
     "ConversationRecord",
     "ConversationRecords",
+    "ConversationTooLarge",
     "FinishReason",
     "HistoryTooLong",
     "HistoryTurn",

@@ -179,7 +179,11 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         settings=settings,
         database=database,
         metadata=metadata,
-        idempotency=IdempotentRequests(database),
+        idempotency=IdempotentRequests(
+            database,
+            incarnation=lambda: replicas.incarnation,
+            live_within_s=replica_config.ownership_lease_s,
+        ),
         engine=engine,
         context_budget_tokens=budget,
         keys=keys,

@@ -31,6 +31,7 @@ from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
 from sessions.turn.runner import TurnRunner
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
+from storage.database import secure_erase_freed_pages
 from storage.errors import AlreadyExists
 from storage.metadata_store import MetadataStore
 
@@ -184,9 +185,10 @@ class SessionCatalogue:
             messages += [("user", user_text, ()), ("assistant", reply_text, reply_ids)]
         return messages
 
-    def delete(self, tenant_id: TenantId, session_id: str) -> None:
+    def delete(self, tenant_id: TenantId, session_id: str, *, erase: bool = False) -> None:
         """Delete the session: caches in every tier first (so no eviction can write a blob row for
-        it meanwhile), then its rows. A turn in flight on it fails with `SessionNotFound`."""
+        it meanwhile), then its rows (`erase`: and their bytes in SQLite's write-ahead log, see
+        `SessionManager.delete_session`). A turn in flight on it fails with `SessionNotFound`."""
         record = self._registry.session_record(tenant_id, session_id)
         sid = SessionId(record.id)
         self._runner.cancel_requests(tenant_id, sid)
@@ -195,6 +197,8 @@ class SessionCatalogue:
         if not self._metadata.delete_session(tenant_id=tenant_id, session_id=record.id):
             raise SessionNotFound(str(session_id))
         self._tiers.forget(CacheKey.for_session(tenant_id, sid))  # a turn that finished in between
+        if erase:
+            secure_erase_freed_pages(self._metadata.database)
 
     # -- caches --------------------------------------------------------------------------------
 

@@ -61,6 +61,13 @@ class ConversationNotFound(ChatKVError):
         super().__init__(f"conversation not found: {conversation_id}")
 
 
+class ConversationTooLarge(ChatKVError):
+    """Adding the items would take a conversation past its caps (`sessions.conversations`:
+    `MAX_CONVERSATION_ITEMS` items, `MAX_CONVERSATION_BYTES` bytes); nothing was added."""
+
+    http_status = 400
+
+
 class SessionExists(ChatKVError):
     """A client-chosen session id the tenant uses already (a new named session must be new)."""
 

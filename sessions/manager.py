@@ -271,10 +271,12 @@ class SessionManager:
         registry = self._parts.registry
         return registry.messages(registry.tenant_id(tenant), session_id)
 
-    def delete_session(self, tenant: TenantRef, session_id: str) -> None:
+    def delete_session(self, tenant: TenantRef, session_id: str, *, erase: bool = False) -> None:
         """Delete the session: caches in every tier first (so no eviction can write a blob row for
-        it meanwhile), then its rows. A turn in flight on it fails with `SessionNotFound`."""
-        self._parts.catalogue.delete(self._parts.registry.tenant_id(tenant), session_id)
+        it meanwhile), then its rows. A turn in flight on it fails with `SessionNotFound`.
+        `erase`: also wipe the deleted rows' bytes from SQLite's write-ahead log at once (a WAL
+        checkpoint; `store: false`), not only from the main file."""
+        self._parts.catalogue.delete(self._parts.registry.tenant_id(tenant), session_id, erase=erase)
 
     def pin_turn(self, tenant: TenantRef, session_id: str, turn_index: int) -> None:
         """Promote turn `turn_index` (0-based) into the base layer: it is never demoted.

@@ -6,9 +6,10 @@ turn of a session, and its id resolves to that session and turn.
     branch     previous = r1         S has moved on past r1: a fork of S after turn 0 (warm from
                                      S's KV, `SessionManager.fork`) runs the turn; S is untouched
 
-Deleting a response removes its record only: it can no longer be retrieved or continued from,
-while the session keeps the turn, so responses created after it (on the same session, or on forks
-of it) keep their whole context and can still be retrieved and continued. Once a session has no
+Deleting a response removes its record only, with the idempotency key it answered (a retry with
+that key runs anew, never replays it): it can no longer be retrieved or continued from, while the
+session keeps the turn, so responses created after it (on the same session, or on forks of it)
+keep their whole context and can still be retrieved and continued. Once a session has no
 stored response left (and no conversation is held by it), the session goes too (its transcript
 and its cache in every tier): deleting every response of a chain leaves nothing of it. A response
 created with `store: false` has no record at all.
@@ -27,6 +28,7 @@ import sqlalchemy
 from cache.ids import TenantId
 from sessions.errors import ChatKVError, ResponseNotFound, SessionNotFound
 from storage.errors import SessionGone
+from storage.idempotency_store import Claimed
 from storage.response_store import ResponseRecord, ResponseStore
 from storage.schema import utcnow
 
@@ -112,11 +114,17 @@ class ResponseRecords:
         previous_response_id: str | None,
         response: str,
         input_items: str,
+        answers: Claimed | None = None,
+        conversation_id: str | None = None,
     ) -> None:
-        """Store a response that ends turn `turn_index` of the tenant's session.
+        """Store a response that ends turn `turn_index` of the tenant's session; with `answers`
+        (a claimed `Idempotency-Key`), it becomes the key's answer in the same transaction, so
+        no retry can run the turn again once the response exists. The key's answer goes with the
+        response, and with the conversation `conversation_id` it was created in, if any.
 
         Raises:
-            SessionNotFound: if the session was deleted meanwhile (nothing stored).
+            SessionNotFound: if the session was deleted meanwhile (nothing stored, the key still
+                claimed).
         """
         try:
             self._store.add(
@@ -129,7 +137,9 @@ class ResponseRecords:
                     response=response,
                     input_items=input_items,
                     created_at=utcnow(),
-                )
+                ),
+                answers=answers,
+                conversation_id=conversation_id,
             )
         except SessionGone:
             raise SessionNotFound(session_id) from None

@@ -7,6 +7,7 @@ PostgreSQL works unchanged; other databases are refused.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 MIGRATION_LOCK_ID = 0x63686174_6B76
@@ -92,14 +95,20 @@ def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
     cursor.close()
 
 
-def secure_erase_freed_pages(engine: Engine) -> None:
+def secure_erase_freed_pages(engine: Engine) -> bool:
     """After deleting secrets: on SQLite, checkpoint and truncate the WAL so no old page holding
-    them survives in `-wal` (`secure_delete` already zeroes freed pages in the main file). Other
-    backends keep dead tuples until VACUUM; that is their operator's concern."""
+    them survives in `-wal` (`secure_delete` already zeroes freed pages in the main file, and the
+    checkpoint copies the zeroed pages there). The checkpoint waits (up to the connection's busy
+    timeout) for readers of older snapshots to finish. Returns `False` if it could not finish
+    (readers kept it busy: the WAL still holds old pages until the next checkpoint); a warning is
+    logged then. Other backends keep dead tuples until VACUUM; that is their operator's concern."""
     if engine.dialect.name != "sqlite":
-        return
+        return True
     with engine.connect() as connection:
-        connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        busy, _, _ = connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()
+    if busy:
+        log.warning("the write-ahead log could not be truncated (readers kept it busy); it is at the next checkpoint")
+    return not busy
 
 
 def database_url_from_env(environ: Mapping[str, str] = os.environ) -> str:

@@ -2,7 +2,8 @@
 its turns, with the response object as it was answered and the input items it was created with.
 
     responses   id (resp_...), tenant, session, turn_index, previous_response_id, JSON texts
-                the row goes with its tenant and its session (ON DELETE CASCADE)
+                the row goes with its tenant and its session (ON DELETE CASCADE); the
+                idempotency key it answers goes with it
 
 Every read is keyed by tenant and id: another tenant's id reads like a missing one.
 """
@@ -17,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from storage.database import Repository
 from storage.errors import SessionGone
+from storage.idempotency_store import Claimed, complete_with_response
 from storage.schema import ResponseRow, utcnow
 
 
@@ -39,11 +41,16 @@ class ResponseRecord:
 class ResponseStore(Repository):
     """Rows of `responses`, one unit of work per method."""
 
-    def add(self, record: ResponseRecord) -> None:
-        """Store a response.
+    def add(
+        self, record: ResponseRecord, *, answers: Claimed | None = None, conversation_id: str | None = None
+    ) -> None:
+        """Store a response; with `answers`, in the same transaction make it the answer of that
+        claimed idempotency key (`storage.idempotency_store.complete_with_response`; the key's
+        row goes with the response, and with `conversation_id`, the conversation it was made in).
 
         Raises:
-            SessionGone: if its session (or tenant) was deleted meanwhile.
+            SessionGone: if its session (or tenant) was deleted meanwhile (nothing stored, the
+                key still claimed).
         """
         try:
             with self._unit() as db:
@@ -59,6 +66,15 @@ class ResponseStore(Repository):
                         created_at=record.created_at or utcnow(),
                     )
                 )
+                if answers is not None:
+                    db.flush()  # the key's row refers to the response's
+                    complete_with_response(
+                        db,
+                        answers,
+                        session_id=record.session_id,
+                        response_id=record.id,
+                        conversation_id=conversation_id,
+                    )
         except IntegrityError:
             raise SessionGone(record.session_id) from None
 

@@ -222,8 +222,12 @@ class IdempotencyKeyRow(Base):
     """The answer recorded under a client's `Idempotency-Key` (`storage.idempotency_store`).
 
     `state` is `running` while the first request with the key runs, `done` once its answer is in
-    `response` (JSON). `request_digest` (SHA-256 of the route and the body) tells a retry from a
-    different request reusing the key. The row goes with its tenant and with its session.
+    `response` (JSON), or is the stored response `response_id` (Responses API: the answer is read
+    from that row, and the key's row goes with it and with its conversation, if any).
+    `request_digest` (SHA-256 of the route, the
+    headers that say where the turn goes, and the body) tells a retry from a different request
+    reusing the key. `holder` is the incarnation of the process running the request: a claim
+    whose holder is dead is free. The row goes with its tenant and with its session.
     """
 
     __tablename__ = "idempotency_keys"
@@ -235,6 +239,20 @@ class IdempotencyKeyRow(Base):
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), default=None)
     response: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    holder: Mapped[str | None] = mapped_column(String(32), default=None)
+    """The incarnation (`ReplicaRow.incarnation`, or a single process's own) that claimed the key;
+    NULL for claims made before migration 0011."""
+    response_id: Mapped[str | None] = mapped_column(
+        ForeignKey("responses.id", ondelete="CASCADE", name="fk_idempotency_keys_response_id_responses"),
+        default=None,
+        index=True,
+    )
+    conversation_id: Mapped[str | None] = mapped_column(
+        ForeignKey("conversations.id", ondelete="CASCADE", name="fk_idempotency_keys_conversation_id_conversations"),
+        default=None,
+        index=True,
+    )
+    """The conversation the response was created in: the key's row goes with it too."""
 
 
 class ResponseRow(Base):
@@ -257,8 +275,10 @@ class ResponseRow(Base):
 
 class ConversationRow(Base):
     """A conversation (OpenAI's Responses API): a durable id over a session
-    (`storage.conversation_store`). `items` (JSON list) and `metadata` (JSON object) are kept as
-    given; `session_id` is the session holding the items' turns (NULL once it is gone)."""
+    (`storage.conversation_store`). `metadata` (JSON object) is kept as given, its items are rows
+    of `conversation_items`; `item_count` and `item_bytes` are their number and size (what the
+    caps are checked on), `next_position` the position the next item takes. `session_id` is the
+    session holding the items' turns (NULL once it is gone)."""
 
     __tablename__ = "conversations"
 
@@ -266,5 +286,22 @@ class ConversationRow(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="SET NULL"), default=None)
     metadata_json: Mapped[str] = mapped_column("metadata", Text)
-    items: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    item_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    item_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    next_position: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class ConversationItemRow(Base):
+    """One item of a conversation (a message object as JSON text, `nbytes` UTF-8 bytes long), at
+    `position` (growing as items are appended; a deleted item leaves a gap). `item_id` is the
+    item's own id (`msg_...`), unique in its conversation. The row goes with its conversation."""
+
+    __tablename__ = "conversation_items"
+    __table_args__ = (UniqueConstraint("conversation_id", "item_id", name="uq_conversation_items_item_id"),)
+
+    conversation_id: Mapped[str] = mapped_column(ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    item_id: Mapped[str] = mapped_column(String(64))
+    item: Mapped[str] = mapped_column(Text)
+    nbytes: Mapped[int] = mapped_column(Integer)

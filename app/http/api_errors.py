@@ -11,7 +11,9 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
     400     invalid_request_error   unrecognized_request_argument          a body field the route does not know
                                                                            (OpenAI's "Unrecognized request
                                                                            argument supplied: foo")
-    404     invalid_request_error   unknown_url                            no `/v1/` route has the path
+    404     invalid_request_error   unknown_url                            no route has the path (an API path sent
+                                                                           without `/v1`: the message names it
+                                                                           under `/v1`)
     405     invalid_request_error   method_not_allowed                     the path's routes take other methods
                                                                            (`Allow` names them)
     401     invalid_request_error   invalid_api_key                        missing or wrong bearer key
@@ -25,6 +27,9 @@ retry 409, 429 and 5xx on their own, honouring `Retry-After`.
     400     invalid_request_error   idempotency_key_reused                 an `Idempotency-Key` sent with another
                                                                            request before
     400     invalid_request_error   array_above_max_length                 over 2,048 `messages`
+    400     invalid_request_error   conversation_too_large                 `ConversationTooLarge`: items past a
+                                                                           conversation's caps (10,000 items,
+                                                                           16 MiB)
     409     invalid_request_error   idempotency_key_in_use                 the first request with the key still
                                                                            runs (`Retry-After`)
     413     invalid_request_error   request_too_large                      body over the `/v1/` limit
@@ -51,6 +56,7 @@ from sessions import (
     ChatKVError,
     ContextTooLong,
     ConversationNotFound,
+    ConversationTooLarge,
     HistoryTooLong,
     ReplicaRetired,
     ResponseNotFound,
@@ -76,6 +82,7 @@ _CODES: dict[type[ChatKVError], str] = {
     SessionNotFound: "session_not_found",
     ResponseNotFound: "response_not_found",
     ConversationNotFound: "conversation_not_found",
+    ConversationTooLarge: "conversation_too_large",
     SessionOwnedElsewhere: "session_owned_elsewhere",
     SessionBusy: "session_busy",
     ContextTooLong: "context_length_exceeded",
@@ -118,8 +125,12 @@ def error_body(status: int, message: str, code: str, *, param: str | None = None
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def unknown_url(method: str, path: str) -> JSONResponse:
-    """404 for a `/v1/` path no route has (OpenAI's `unknown_url`)."""
+def unknown_url(method: str, path: str, api_path: str | None = None) -> JSONResponse:
+    """404 for a path no route has (OpenAI's `unknown_url`); `api_path`: the route under `/v1`
+    that the path names without its prefix, pointed at in the message."""
+    if api_path is not None:
+        message = f"Unknown request URL: {method} {path}. The API is under /v1: {method} {api_path}."
+        return error_response(404, message, "unknown_url")
     message = f"Unknown request URL: {method} {path}. Please check the URL for typos; the routes are listed at "
     return error_response(404, message + "/openapi.json.", "unknown_url")
 

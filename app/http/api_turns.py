@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -58,6 +58,8 @@ from sessions import (
 
 TurnStream = Generator[str | Reply, None, None]
 T = TypeVar("T")
+SESSION_HEADER = "X-Session-ID"
+"""Names the session of a turn: in a request (continue it), and in every turn's answer."""
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"
 IN_PROGRESS_RETRY_AFTER_S = 1
@@ -84,19 +86,32 @@ async def run_watching_disconnect(request: Request, cancel: CancelToken, work: C
 class IdempotencyGuard:
     """One request's use of an `Idempotency-Key` (with none, every method is a no-op).
 
+    Args:
+        route: the route as the fingerprint names it (with the session id of a path).
+        body: the body as received.
+        target: the headers that say where the turn goes (`X-Session-ID`), part of the fingerprint.
+
     Raises (from the constructor):
         InvalidInput: for a malformed key.
         ApiError: 409 `idempotency_key_in_use` while the first request with the key still runs;
             400 `idempotency_key_reused` if the key came with another request before.
     """
 
-    def __init__(self, manager: SessionManager, tenant: Tenant, key: str | None, route: str, body: bytes) -> None:
-        self._manager, self._tenant, self._key = manager, tenant, key
+    def __init__(
+        self,
+        manager: SessionManager,
+        tenant: Tenant,
+        key: str | None,
+        route: str,
+        body: bytes,
+        target: Mapping[str, str | None] | None = None,
+    ) -> None:
+        self._manager = manager
         self.replay: Replay | None = None
-        self._claimed = False
+        self._claim: Claimed | None = None
         if key is None:
             return
-        outcome = manager.idempotency.claim(tenant.id, key, route, body)
+        outcome = manager.idempotency.claim(tenant.id, key, route, body, target)
         if isinstance(outcome, InProgress):
             raise ApiError(
                 409,
@@ -107,26 +122,38 @@ class IdempotencyGuard:
         if isinstance(outcome, KeyReused):
             raise ApiError(
                 400,
-                f"this {IDEMPOTENCY_HEADER} was sent with a different request; use a new key for a new request",
+                f"this {IDEMPOTENCY_HEADER} was sent with a different request (another body, route or "
+                f"{SESSION_HEADER}); use a new key for a new request",
                 "idempotency_key_reused",
                 param=IDEMPOTENCY_HEADER,
             )
         if isinstance(outcome, Replay):
             self.replay = outcome
-        self._claimed = isinstance(outcome, Claimed)
+        if isinstance(outcome, Claimed):
+            self._claim = outcome
+
+    @property
+    def claim(self) -> Claimed | None:
+        """The key this request holds, for the store that records its answer in the same
+        transaction (`ResponseRecords.record(answers=...)`; then `answered()`)."""
+        return self._claim
+
+    def answered(self) -> None:
+        """The answer was recorded with what stored it (`claim`): nothing is left to release."""
+        self._claim = None
 
     def complete(self, session_id: str, response: BaseModel | dict[str, Any]) -> None:
         """Record the answer of the request (its turn completed): a model, or a JSON object."""
-        if self._claimed and self._key is not None:
-            self._claimed = False
+        if self._claim is not None:
+            claim, self._claim = self._claim, None
             text = response.model_dump_json() if isinstance(response, BaseModel) else json.dumps(response)
-            self._manager.idempotency.complete(self._tenant.id, self._key, text, session_id)
+            self._manager.idempotency.complete(claim, text, session_id)
 
     def release(self) -> None:
         """The request did not complete: a retry with the key runs afresh (idempotent)."""
-        if self._claimed and self._key is not None:
-            self._claimed = False
-            self._manager.idempotency.release(self._tenant.id, self._key)
+        if self._claim is not None:
+            claim, self._claim = self._claim, None
+            self._manager.idempotency.release(claim)
 
 
 @dataclass(frozen=True)
@@ -231,6 +258,8 @@ class StartedTurn:
     rest: TurnStream | HistoryTurn
     created: bool = False
     """The session was made for this turn (deleted again unless the turn completes)."""
+    erase: bool = False
+    """Deleting that session also erases the freed database pages (`store: false`)."""
     reply: Reply | None = field(default=None, init=False)
 
     def items(self) -> Iterator[str | Reply]:
@@ -260,7 +289,7 @@ class StartedTurn:
         self.rest.close()
         if self.created and self.reply is None:
             with contextlib.suppress(ChatKVError):
-                self.manager.delete_session(self.tenant, self.session_id)
+                self.manager.delete_session(self.tenant, self.session_id, erase=self.erase)
 
 
 def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
@@ -276,10 +305,12 @@ def start_turn(
     params: TurnParams,
     *,
     created: bool = False,
+    erase: bool = False,
     expected_turns: int | None = None,
     cancel: CancelToken | None = None,
 ) -> StartedTurn:
-    """Run the turn up to its first item.
+    """Run the turn up to its first item. `erase`: a `created` session deleted again is erased
+    from the database files too (`SessionManager.delete_session(erase=True)`).
 
     Raises:
         ChatKVError: the turn was refused (nothing stored; a `created` session is deleted), or
@@ -291,9 +322,9 @@ def start_turn(
     except ChatKVError:
         if created:
             with contextlib.suppress(ChatKVError):
-                manager.delete_session(tenant, session_id)
+                manager.delete_session(tenant, session_id, erase=erase)
         raise
-    return StartedTurn(manager, tenant, session_id, first, stream, created=created)
+    return StartedTurn(manager, tenant, session_id, first, stream, created=created, erase=erase)
 
 
 def continue_history(

@@ -26,10 +26,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import unsupported
-from app.http.api_turns import TurnParams, check_openai_ranges
+from app.http.api_turns import SESSION_HEADER, TurnParams, check_openai_ranges
 
 DEFAULT_MAX_TOKENS = 256
-SESSION_HEADER = "X-Session-ID"
 NO_EFFECT = "Accepted; no effect on the reply."
 
 

@@ -9,7 +9,9 @@ the conversation's session and appends its input and its output (`app.http.respo
 Items added or deleted here put the items out of step with the session: the next response then
 starts a new session holding them (prefilled). For a response, the items must read as a
 conversation: leading system or developer messages, then user and assistant messages alternating
-(a 400 otherwise, and nothing changes).
+(a 400 otherwise, and nothing changes). A conversation holds at most 10,000 items and 16 MiB of
+them (`sessions.conversations`): items past either are refused with 400 `conversation_too_large`,
+and nothing is added.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_auth import bearer_scheme, tenant_of
 from app.http.api_errors import ApiError
-from app.http.responses_items import InputItem, check_metadata, dumps, items_page, stored_items
+from app.http.responses_items import InputItem, check_metadata, descending, dumps, page_body, stored_items
 from sessions import ConversationRecord, InvalidInput, SessionManager, Tenant
 
 TenantDep = Annotated[Tenant, Depends(tenant_of)]
@@ -55,13 +57,17 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
     """The `/conversations` routes, to be mounted under `/v1` (see the module docstring)."""
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Conversations"])
     missing: dict[int | str, dict[str, Any]] = {404: {"description": "No such conversation (or item)."}}
+    full: dict[int | str, dict[str, Any]] = {
+        **missing,
+        400: {"description": "Invalid items, or the conversation would pass its caps (`conversation_too_large`)."},
+    }
 
-    @router.post("/conversations")
+    @router.post("/conversations", responses=full)
     def create_conversation(body: ConversationCreate, tenant: TenantDep) -> JSONResponse:
         """Create a conversation with initial items and metadata."""
         items = _new_items(body.items or [])
         metadata = check_metadata(body.metadata)
-        record = manager.conversations.create(tenant.id, metadata=dumps(metadata), items=dumps(items))
+        record = manager.conversations.create(tenant.id, metadata=dumps(metadata), items=items)
         return JSONResponse(_conversation(record))
 
     @router.get("/conversations/{conversation_id}", responses=missing)
@@ -88,31 +94,33 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
         limit: Annotated[int, Query(description="Items per page, 1-100.")] = 20,
         order: Annotated[str, Query(description="`desc` (newest first, the default) or `asc`.")] = "desc",
     ) -> JSONResponse:
-        items = json.loads(manager.conversations.get(tenant.id, conversation_id).items)
-        return JSONResponse(items_page(items, after, limit, order))
+        newest_first = descending(limit, order)
+        page, more = manager.conversations.page(
+            tenant.id, conversation_id, after=after, limit=limit, descending=newest_first
+        )
+        return JSONResponse(page_body(page, more))
 
-    @router.post("/conversations/{conversation_id}/items", responses=missing)
+    @router.post("/conversations/{conversation_id}/items", responses=full)
     def create_items(conversation_id: str, body: ItemsCreate, tenant: TenantDep) -> JSONResponse:
         """Append items; answers the items added."""
         added = _new_items(body.items)
-        manager.conversations.edit_items(tenant.id, conversation_id, lambda items: dumps(json.loads(items) + added))
-        return JSONResponse(items_page(added, None, max(1, len(added)), "asc"))
+        manager.conversations.append(tenant.id, conversation_id, added)
+        return JSONResponse(page_body(added, False))
 
     @router.get("/conversations/{conversation_id}/items/{item_id}", responses=missing)
     def retrieve_item(conversation_id: str, item_id: str, tenant: TenantDep) -> JSONResponse:
-        items = json.loads(manager.conversations.get(tenant.id, conversation_id).items)
-        return JSONResponse(_item(items, item_id))
+        item = manager.conversations.item(tenant.id, conversation_id, item_id)
+        if item is None:
+            raise _item_not_found(item_id)
+        return JSONResponse(item)
 
     @router.delete("/conversations/{conversation_id}/items/{item_id}", responses=missing)
     def delete_item(conversation_id: str, item_id: str, tenant: TenantDep) -> JSONResponse:
         """Delete an item; answers the conversation."""
-
-        def without_item(text: str) -> str:
-            items = json.loads(text)
-            gone = _item(items, item_id)  # 404 when missing: the edit rolls back
-            return dumps([item for item in items if item is not gone])
-
-        return JSONResponse(_conversation(manager.conversations.edit_items(tenant.id, conversation_id, without_item)))
+        record = manager.conversations.delete_item(tenant.id, conversation_id, item_id)
+        if record is None:
+            raise _item_not_found(item_id)
+        return JSONResponse(_conversation(record))
 
     return router
 
@@ -123,11 +131,8 @@ def _new_items(items: list[InputItem]) -> list[dict[str, Any]]:
     return stored_items(items, "items")
 
 
-def _item(items: list[dict[str, Any]], item_id: str) -> dict[str, Any]:
-    for item in items:
-        if item["id"] == item_id:
-            return item
-    raise ApiError(404, f"item not found: {item_id}", "item_not_found", param="item_id")
+def _item_not_found(item_id: str) -> ApiError:
+    return ApiError(404, f"item not found: {item_id}", "item_not_found", param="item_id")
 
 
 def _conversation(record: ConversationRecord) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsuppo
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
+    SESSION_HEADER,
     IdempotencyGuard,
     StartedTurn,
     Usage,
@@ -58,7 +59,6 @@ from app.http.api_turns import (
     usage,
 )
 from app.http.chat_request import (
-    SESSION_HEADER,
     ChatCompletionRequest,
     ChatMessage,
     refuse_unsupported,
@@ -228,7 +228,9 @@ def _complete(
     conversation = parse_messages(body.messages)
     session_id = _session_id(x_session_id, body.session_id)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    guard = IdempotencyGuard(manager, tenant, idempotency_key, "/v1/chat/completions", raw)
+    guard = IdempotencyGuard(
+        manager, tenant, idempotency_key, "/v1/chat/completions", raw, target={SESSION_HEADER: x_session_id}
+    )
     if guard.replay is not None:
         completion = ChatCompletion.model_validate_json(guard.replay.response)
         headers = {SESSION_HEADER: guard.replay.session_id or "", REPLAYED_HEADER: "true"}

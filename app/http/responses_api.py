@@ -14,9 +14,12 @@ turn it ended.
       from the session's      (prefilled; omitted instructions keep the session's)
 
 `store: false` runs the turn on a session made for it (a new one, or a fork) and deletes that
-session, its cache in every tier included, before the last event: nothing is kept once the reply is
-sent (no response record; an `Idempotency-Key` is not recorded either). Deleting a response is
-defined in `sessions.responses`: later responses keep their context.
+session, its cache in every tier included, before the last event, and checkpoints SQLite's
+write-ahead log so its bytes leave the database files: nothing is kept once the reply is sent (no
+response record; an `Idempotency-Key` is not recorded either; no `X-Session-ID`). A stored
+response's answer names its session in `X-Session-ID`, and is its `Idempotency-Key`'s answer from
+the transaction that stores it, before a streamed response's closing events. Deleting a response
+is defined in `sessions.responses`: later responses keep their context.
 
 A streamed response in flight can be cancelled (`POST /v1/responses/{id}/cancel`, on the replica
 that runs it): its turn stops at the next step and stores nothing; the stream ends with an `error`
@@ -42,6 +45,7 @@ from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsuppo
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
+    SESSION_HEADER,
     IdempotencyGuard,
     StartedTurn,
     TurnParams,
@@ -240,9 +244,10 @@ def _create(
     guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
     if guard.replay is not None:
         recorded = json.loads(guard.replay.response)
+        headers = {REPLAYED_HEADER: "true", SESSION_HEADER: guard.replay.session_id or ""}
         if body.stream:
-            return EventStream(replayed_events(recorded), headers={REPLAYED_HEADER: "true"})
-        return JSONResponse(recorded, headers={REPLAYED_HEADER: "true"})
+            return EventStream(replayed_events(recorded), headers=headers)
+        return JSONResponse(recorded, headers=headers)
     response_id = manager.responses.new_id()
     head = response_head(response_id, manager.model_name, body, metadata)
     try:
@@ -254,19 +259,20 @@ def _create(
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
+    # `store: false` keeps no session: its answer names none.
+    headers = {SESSION_HEADER: run.turn.session_id} if store else {}
     if body.stream:
         in_flight.add(tenant, head, cancel)
-        return EventStream(_events(manager, tenant, run, guard, in_flight, body.previous_response_id))
+        return EventStream(_events(manager, tenant, run, guard, in_flight, body.previous_response_id), headers=headers)
     try:
         reply = run.turn.run()
-        final = _finish(manager, tenant, run, reply, body.previous_response_id)
+        final = _finish(manager, tenant, run, reply, body.previous_response_id, guard)
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     finally:
         run.turn.close()
-    guard.complete(run.turn.session_id, final)
-    return JSONResponse(final)
+    return JSONResponse(final, headers=headers)
 
 
 def _start(
@@ -283,7 +289,7 @@ def _start(
     message = conversation.message
     if body.previous_response_id is None:
         session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-        turn = start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel)
+        turn = start_turn(manager, tenant, session_id, message, params, created=True, erase=not store, cancel=cancel)
         return turn, len(conversation.history)
     if conversation.history or conversation.system_prompt not in (None, body.instructions):
         raise InvalidInput(
@@ -297,7 +303,9 @@ def _start(
     ):
         earlier = _turns(manager, tenant, point)
         session_id = manager.open_session(tenant, body.instructions, history=earlier)
-        return start_turn(manager, tenant, session_id, message, params, created=True, cancel=cancel), turns
+        return start_turn(
+            manager, tenant, session_id, message, params, created=True, erase=not store, cancel=cancel
+        ), turns
     if point.latest and store:
         try:
             return (
@@ -307,7 +315,7 @@ def _start(
         except SessionBusy:  # a turn in flight on it, or it moved on meanwhile: branch instead
             pass
     fork = manager.fork(tenant, point.session_id, turns)
-    return start_turn(manager, tenant, fork, message, params, created=True, cancel=cancel), turns
+    return start_turn(manager, tenant, fork, message, params, created=True, erase=not store, cancel=cancel), turns
 
 
 def _start_in_conversation(
@@ -323,7 +331,8 @@ def _start_in_conversation(
     that holds exactly those items, else on a new session holding them (`sessions.conversations`)."""
     record = manager.conversations.get(tenant.id, conversation_id)
     new_items = stored_items(input_as_items(body))
-    conversation = parse_input(body, as_input_items(json.loads(record.items)))
+    manager.conversations.check_room(record, [*new_items, output_message(item_id(), "")])
+    conversation = parse_input(body, as_input_items(manager.conversations.items(tenant.id, conversation_id)))
     if record.session_id is not None and _holds(manager, tenant, record.session_id, conversation):
         turns = len(conversation.history)
         try:
@@ -356,10 +365,15 @@ def _turns(manager: SessionManager, tenant: Tenant, point: ResponsePoint) -> lis
 
 
 def _finish(
-    manager: SessionManager, tenant: Tenant, run: _Turn, reply: Reply, previous_response_id: str | None
+    manager: SessionManager,
+    tenant: Tenant,
+    run: _Turn,
+    reply: Reply,
+    previous_response_id: str | None,
+    guard: IdempotencyGuard,
 ) -> dict[str, Any]:
-    """The final response object of a completed turn, stored (or, with `store: false`, its
-    session deleted)."""
+    """The final response object of a completed turn, stored with its `Idempotency-Key`'s answer
+    in one transaction (or, with `store: false`, its session deleted and erased)."""
     final = response_object(
         run.head, status="completed", output=[output_message(run.message_id, reply.text)], reply=reply
     )
@@ -372,16 +386,16 @@ def _finish(
             previous_response_id=previous_response_id,
             response=dumps(final),
             input_items=dumps(run.items),
+            answers=guard.claim,
+            conversation_id=run.conversation_id,
         )
+        guard.answered()
     else:
-        manager.delete_session(tenant, run.turn.session_id)
+        manager.delete_session(tenant, run.turn.session_id, erase=True)
     if run.conversation_id is not None:
         added = [*run.items, final["output"][0]]
-        manager.conversations.edit_items(
-            tenant.id,
-            run.conversation_id,
-            lambda items: dumps(json.loads(items) + added),
-            session_id=run.turn.session_id,
+        manager.conversations.append(
+            tenant.id, run.conversation_id, added, session_id=run.turn.session_id, capped=False
         )
     return final
 
@@ -398,17 +412,16 @@ def _events(
     turn: it is cancelled and nothing is stored."""
     frames = EventFrames()
     started = response_object(run.head, status="in_progress")
-    final: dict[str, Any] = {}
 
     def finish() -> dict[str, Any]:
+        # The response and its key's answer are stored before the closing events: a client gone
+        # while they are sent retries into a replay, never a second turn.
         if run.turn.reply is None:
             raise RuntimeError("bug: a streamed turn ended without a reply")
-        final.update(_finish(manager, tenant, run, run.turn.reply, previous_response_id))
-        return final
+        return _finish(manager, tenant, run, run.turn.reply, previous_response_id, guard)
 
     try:
         yield from response_events(frames, started, run.message_id, run.turn.pieces(), finish)
-        guard.complete(run.turn.session_id, final)
     except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (cancelled, say)
         if isinstance(exc, TurnCancelled):
             yield error_event(frames, "response_cancelled", "the response was cancelled")

@@ -353,24 +353,37 @@ def items_page(items: list[dict[str, Any]], after: str | None, limit: int, order
         ApiError: 400 for an `order` other than asc/desc or a `limit` outside 1-100.
         InvalidInput: for an `after` that is not one of the items.
     """
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be asc or desc, got {order!r}", "invalid_request", param="order")
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"limit must be between 1 and 100, got {limit}", "invalid_request", param="limit")
-    ordered = items if order == "asc" else items[::-1]
+    ordered = items if not descending(limit, order) else items[::-1]
     start = 0
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
             raise InvalidInput(f"after: no item {after!r} in this list")
         start = ids.index(after) + 1
-    page = ordered[start : start + limit]
+    return page_body(ordered[start : start + limit], start + limit < len(ordered))
+
+
+def descending(limit: int, order: str) -> bool:
+    """Whether a list is asked newest first (`order` `desc`).
+
+    Raises:
+        ApiError: 400 for an `order` other than asc/desc or a `limit` outside 1-100.
+    """
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order must be asc or desc, got {order!r}", "invalid_request", param="order")
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"limit must be between 1 and 100, got {limit}", "invalid_request", param="limit")
+    return order == "desc"
+
+
+def page_body(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A page of items as OpenAI's list object."""
     return {
         "object": "list",
         "data": page,
         "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None,
-        "has_more": start + limit < len(ordered),
+        "has_more": has_more,
     }
 
 

@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
 
 if TYPE_CHECKING:
+    from starlette.routing import BaseRoute
+
     from sessions import SessionManager
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ def build_app(
     app.include_router(responses_router(manager, route_class, forwarder), prefix="/v1")
     app.include_router(conversations_router(manager, route_class), prefix="/v1")
     app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
-    _answer_unrouted_v1(app)
+    api_routes = _answer_unrouted_v1(app)
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui
 
@@ -132,7 +134,7 @@ def build_app(
     # Gradio's run history would keep what was typed (API keys, messages) in the browser's storage,
     # and its API page documents event endpoints that are internal to this page: both off. The page
     # has no file input, so no upload is accepted (the body limits refuse them before Gradio too).
-    return gr.mount_gradio_app(
+    app = gr.mount_gradio_app(
         app,
         build_ui(manager, local=local, chat_ui=chat_ui),
         path="/",
@@ -143,17 +145,19 @@ def build_app(
         css=UI_CSS,
         i18n=gr.I18n(**UI_TRANSLATIONS),
     )
+    _answer_unrouted_outside_v1(app, api_routes)
+    return app
 
 
 _METHODS = ["DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT"]
 
 
-def _answer_unrouted_v1(app: FastAPI) -> None:
+def _answer_unrouted_v1(app: FastAPI) -> list[BaseRoute]:
     """Answer a `/v1/` request no route takes in OpenAI's error shape: 404 `unknown_url`, or 405
     `method_not_allowed` when routes have the path with other methods. Without this, the UI
     mounted at `/` would answer it with its own `{"detail": "Not Found"}`. Must be added after
     the `/v1/` routers and before the UI: it matches every path and method under `/v1`, and only
-    the routes there before it count."""
+    the routes there before it count; returns them."""
     from starlette.routing import Match
 
     from app.http.api_errors import method_not_allowed, unknown_url
@@ -171,6 +175,42 @@ def _answer_unrouted_v1(app: FastAPI) -> None:
 
     for path in ("/v1", "/v1/{path:path}"):
         app.add_api_route(path, unrouted, methods=_METHODS, include_in_schema=False)
+    return known
+
+
+def _answer_unrouted_outside_v1(app: FastAPI, api: list[BaseRoute]) -> None:
+    """Answer a path outside `/v1/` that nothing serves in OpenAI's error shape, 404 `unknown_url`,
+    instead of the UI's `{"detail": "Not Found"}`; for an API path sent without its `/v1` prefix
+    (`/chat/completions`, `/responses`), the message names the path under `/v1`. Every such path
+    falls through to the UI mounted at `/`, so the answer is that app's 404 handler; a 404 the UI
+    raises with a reason of its own (a file it does not have) keeps the reason, and one under
+    `/admin/` keeps the admin API's shape (`{"detail": ...}`). `api`: the app's routes before the
+    catch-alls of `_answer_unrouted_v1`."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Match, Mount
+
+    from app.http.api_errors import error_response, unknown_url
+
+    ui = [route.app for route in app.router.routes if isinstance(route, Mount)][-1]
+    if not isinstance(ui, Starlette):
+        raise RuntimeError(f"bug: the UI is mounted as {type(ui).__name__}, not an app")
+
+    def under_v1(method: str, path: str) -> str | None:
+        scope = {"type": "http", "path": "/v1" + path, "method": method}
+        known = any(route.matches(scope)[0] is not Match.NONE for route in api)
+        return "/v1" + path if known else None
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        reason = exc.detail if isinstance(exc, HTTPException) else None
+        path = request.url.path
+        if path == "/admin" or path.startswith("/admin/"):  # the admin API answers in its own shape
+            return JSONResponse({"detail": reason or "Not Found"}, status_code=404)
+        if reason not in (None, "Not Found"):
+            return error_response(404, str(reason), "not_found")
+        return unknown_url(request.method, path, under_v1(request.method, path))
+
+    ui.add_exception_handler(404, not_found)
 
 
 def serve(

@@ -35,6 +35,7 @@ from app.http.api_errors import DATABASE_ERRORS, response_for
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
+    SESSION_HEADER,
     IdempotencyGuard,
     StartedTurn,
     TurnParams,
@@ -44,7 +45,7 @@ from app.http.api_turns import (
     usage,
 )
 from app.http.forwarding import Forwarder
-from app.http.openai_api import SESSION_HEADER, AssistantMessage
+from app.http.openai_api import AssistantMessage
 from app.http.prefetch import Prefetcher
 from app.http.sse import DONE, EventStream, event
 from sessions import (

@@ -7,7 +7,8 @@ cancels the turn at the engine loop's next step and stores nothing (`stream_chat
 leaves a sync generator to the garbage collector, on the event loop's thread; `EventStream`
 closes it itself, in a worker thread, once the response has ended however it ended (no step of
 the generator is running then: a step in the threadpool is waited for, not abandoned), and then
-runs its `call_on_close` callbacks (releasing the tenant's request slot).
+runs its `call_on_close` callbacks (releasing the tenant's request slot). A client gone before the
+last frame is logged at debug level (its address, the route).
 
     frame = "data: <json>\\n\\n"      one event per frame; a stream ends with "data: [DONE]\\n\\n"
 """
@@ -15,13 +16,16 @@ runs its `call_on_close` callbacks (releasing the tenant's request slot).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import anyio
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -41,14 +45,26 @@ class EventStream(StreamingResponse):
         super().__init__(frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._frames = frames
         self._on_close: list[Callable[[], None]] = []
+        self._sent_all = False
 
     def call_on_close(self, callback: Callable[[], None]) -> None:
         """Run `callback` (in a worker thread) after the response ended and the frames were closed."""
         self._on_close.append(callback)
 
+    async def stream_response(self, send: Send) -> None:
+        await super().stream_response(send)
+        self._sent_all = True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not self._sent_all:
+                host, port = scope.get("client") or ("-", 0)
+                log.debug("client %s:%s went away before the answer to %s %s ended", host, port, *_route(scope))
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_watched, send)
         finally:
             with anyio.CancelScope(shield=True):  # also when the response itself was cancelled
                 await run_in_threadpool(self._close)
@@ -59,3 +75,7 @@ class EventStream(StreamingResponse):
         finally:
             for callback in self._on_close:
                 callback()
+
+
+def _route(scope: Scope) -> tuple[str, str]:
+    return str(scope.get("method", "-")), str(scope.get("path", "-"))

@@ -6,6 +6,7 @@ turn holds nothing, every session is this process's to publish).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from contextlib import AbstractContextManager, nullcontext
 
@@ -41,6 +42,13 @@ class Replicas:
         self._forward, self._queue_limit = forward, forward_queue_limit
         self.ownership: SessionOwnership | None = None
         self._router: Router | None = None
+        self._single_incarnation = secrets.token_hex(8)
+
+    @property
+    def incarnation(self) -> str:
+        """This process's incarnation: the one its replica registered (`SessionOwnership`), or
+        a single process's own (random per manager). Claims it makes die with it."""
+        return self.ownership.incarnation if self.ownership is not None else self._single_incarnation
 
     def start(self, ownership: SessionOwnership) -> None:
         """Take up the leases' keeper (registered and running: `sessions.replicas.startup.start_ownership`)."""

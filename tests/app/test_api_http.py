@@ -707,6 +707,31 @@ def test_a_v1_route_that_does_not_exist_is_answered_in_openais_shape(
         assert (error["code"], error["message"]) == ("method_not_allowed", message)
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "api_path"),
+    [
+        ("POST", "/chat/completions", "/v1/chat/completions"),
+        ("GET", "/models", "/v1/models"),
+        ("POST", "/responses", "/v1/responses"),
+        ("GET", "/responses/resp_x/input_items", "/v1/responses/resp_x/input_items"),
+        ("DELETE", "/sessions/s_x", "/v1/sessions/s_x"),
+        ("GET", "/no/such/page", None),
+        ("POST", "/completion", None),
+    ],
+)
+def test_a_path_outside_v1_that_nothing_serves_is_answered_in_openais_shape_pointing_at_v1(
+    server: Server, method: str, path: str, api_path: str | None
+) -> None:
+    root = server.url.removesuffix("/v1")
+    response = httpx.request(method, root + path, headers={"Authorization": f"Bearer {server.keys['acme']}"})
+    message = _error(response, 404, "unknown_url")
+    if api_path is not None:
+        assert message == f"Unknown request URL: {method} {path}. The API is under /v1: {method} {api_path}."
+    else:
+        assert message.startswith(f"Unknown request URL: {method} {path}. Please check the URL for typos")
+    assert httpx.get(f"{root}/", timeout=30).headers["content-type"].startswith("text/html")  # the UI is there
+
+
 def test_routes_outside_v1_keep_their_own_not_found(server: Server) -> None:
     root = server.url.removesuffix("/v1")
     admin = httpx.get(f"{root}/admin/nope", timeout=30)

@@ -4,7 +4,8 @@ one PostgreSQL schema and one Redis (docs/replicas.md, "Routing", "Drain").
 Turns alternating between two replicas all run on the session's owner, warm on its device, for
 stateless OpenAI clients (streamed through the other replica chunk by chunk) and the session
 routes alike; a forwarded request is never forwarded again and a wrong key stops at the first
-replica; an owner killed mid-forward leaves no turn stored twice; a replica stopped while its
+replica; an owner killed mid-forward leaves no turn stored twice, and a retry with the request's
+`Idempotency-Key` runs once the owner's claim died with it; a replica stopped while its
 turns run finishes them and hands its sessions over through Redis at once (no lease expiry, no
 rebuild); `chatkv replicas drain` makes the others take its sessions over rather than forward."""
 
@@ -266,6 +267,48 @@ def test_the_owner_killed_mid_forward_stores_no_turn_twice(
     reply, source = turn(a, key, session_id, MESSAGES[1])
     assert source == "redis"
     assert history(a, key, session_id) == [MESSAGES[0], first, MESSAGES[1], reply]
+
+
+def test_a_keyed_retry_after_the_owner_died_mid_forward_runs_once_the_owner_is_gone(
+    forward_pair: Pair,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    module_database_url: str,  # noqa: F811
+) -> None:
+    (a, _), keys, settings = forward_pair
+    key = keys["acme"]
+    headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": "owner-died"}
+    with third_replica(tmp_path / "c", tiny_model_dir, settings, ownership_lease_s="3") as c:
+        session_id = new_session(c, key)
+        first = turn(c, key, session_id, MESSAGES[0])[0]
+        wait_for_redis_copy(module_database_url, session_id, time.time())
+        body = {"content": MESSAGES[1], "max_tokens": 3000, "stream": True}
+        path = f"/v1/sessions/{session_id}/messages"
+        with a.client.stream("POST", path, json=body, headers=headers) as response:
+            assert response.status_code == 200
+            lines = []
+            with contextlib.suppress(httpx.TransportError):
+                for line in response.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 10:
+                        c.kill()  # c claimed the key, and dies holding it
+        assert any("forward_failed" in line for line in lines), lines[-3:]
+    # The key's claim died with c: once c's heartbeat is a lease old, the same request runs (a
+    # claim that outlived its process would answer 409 for 15 minutes).
+    deadline = time.monotonic() + 60
+    while (retried := a.client.post(path, json=body, headers=headers)).status_code == 409:
+        assert retried.json()["error"]["code"] in ("idempotency_key_in_use", "session_busy"), retried.text
+        assert time.monotonic() < deadline, retried.text
+        time.sleep(0.2)
+    assert retried.status_code == 200 and "idempotent-replayed" not in retried.headers
+    assert retried.text.endswith("data: [DONE]\n\n")
+    frames = [
+        json.loads(line.removeprefix("data: ")) for line in retried.text.splitlines() if line.startswith("data: {")
+    ]
+    reply = frames[-1]["message"]["content"]
+    assert history(a, key, session_id) == [MESSAGES[0], first, MESSAGES[1], reply]  # c stored nothing of its turn
+    again = a.client.post(path, json=body, headers=headers)  # and now the answer is recorded
+    assert again.headers["idempotent-replayed"] == "true"
 
 
 def test_a_replica_stopped_under_load_finishes_its_turns_and_hands_its_sessions_over(

@@ -4,6 +4,7 @@ server for the module; the last test restarts it on the same home."""
 
 from __future__ import annotations
 
+import secrets
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -148,6 +149,44 @@ def test_store_false_keeps_nothing(api: Api) -> None:
     # The stored chain was not moved on by the unstored turn: it continues from its own reply.
     after = api.create(input="Go on", previous_response_id=stored.id)
     assert after.usage.input_tokens_details.cached_tokens == stored.usage.total_tokens - 1
+
+
+def test_store_false_input_leaves_no_byte_in_the_database_files(api: Api) -> None:
+    unstored, stored = f"unstored-{secrets.token_hex(8)}", f"stored-{secrets.token_hex(8)}"
+    history = [
+        {"role": "user", "content": f"First {unstored}"},
+        {"role": "assistant", "content": f"Reply {unstored}"},
+        {"role": "user", "content": f"Then {unstored}"},
+    ]
+    api.create(input=f"Forget {unstored}", store=False)
+    api.create(input=history, store=False)
+    chain = api.create(input="Keep this", instructions=SYSTEM)
+    events = api.client().responses.create(
+        model=api.model, input=f"Streamed {unstored}", previous_response_id=chain.id, store=False, stream=True
+    )
+    assert [e.type for e in events][-1] in ("response.completed", "response.incomplete")
+    api.create(input=f"Keep {stored}")  # the check below sees what is written
+    files = [api.home / name for name in ("chatkv.db", "chatkv.db-wal", "chatkv.db-shm")]
+    written = b"".join(path.read_bytes() for path in files if path.exists())
+    assert stored.encode() in written and unstored.encode() not in written
+
+
+def test_every_stored_responses_answer_names_its_session_in_x_session_id(api: Api) -> None:
+    client = api.client()
+    ask: dict[str, Any] = {"model": api.model, "input": "Name it", "max_output_tokens": 8, **SEED}
+    raw = client.responses.with_raw_response.create(**ask, extra_headers={"Idempotency-Key": "named-session"})
+    session_id = raw.headers["x-session-id"]
+    assert session_id in api.sessions()
+    first = raw.parse()
+    with client.responses.with_streaming_response.create(
+        model=api.model, input="Go on", previous_response_id=first.id, max_output_tokens=8, stream=True
+    ) as streamed:
+        assert streamed.headers["x-session-id"] == session_id  # the chain goes on in it
+        list(streamed.iter_lines())
+    replay = client.responses.with_raw_response.create(**ask, extra_headers={"Idempotency-Key": "named-session"})
+    assert (replay.headers["idempotent-replayed"], replay.headers["x-session-id"]) == ("true", session_id)
+    unstored = client.responses.with_raw_response.create(**ask, store=False)
+    assert "x-session-id" not in unstored.headers  # `store: false` keeps no session to name
 
 
 def test_streamed_events_come_in_order_and_join_to_the_stored_reply(api: Api) -> None:
@@ -393,6 +432,23 @@ def test_responses_in_a_conversation_append_to_it_and_continue_its_session(api: 
     for response in (first, second, third):
         client.responses.delete(response.id)
     assert api.sessions() == before  # nothing holds the conversation's sessions any more
+
+
+def test_a_conversation_past_its_byte_cap_is_refused_and_keeps_its_items(api: Api) -> None:
+    client = api.client()
+    conversation = client.conversations.create()
+    # 20 items of 350,000 characters: about 7 MB a request, under the 8 MiB body limit; two fit
+    # the 16 MiB cap, a third does not.
+    big = [{"type": "message", "role": "user", "content": "x" * 350_000} for _ in range(20)]
+    client.conversations.items.create(conversation.id, items=big)  # type: ignore[arg-type]
+    second = client.conversations.items.create(conversation.id, items=big)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.conversations.items.create(conversation.id, items=big)  # type: ignore[arg-type]
+    assert refused.value.code == "conversation_too_large"
+    assert "at most 10,000 items and 16,777,216 bytes" in refused.value.message
+    newest = client.conversations.items.list(conversation.id, limit=1).data
+    assert [item.id for item in newest] == [second.data[-1].id]  # nothing of the refused request was added
+    client.conversations.delete(conversation.id)
 
 
 def test_responses_are_retrieved_after_a_restart_and_their_chain_goes_on(api: Api) -> None:

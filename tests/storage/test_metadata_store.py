@@ -32,6 +32,7 @@ TABLES = {
     "turn_digests",
     "responses",
     "conversations",
+    "conversation_items",
 }
 
 
@@ -50,10 +51,10 @@ def test_upgrade_on_an_empty_database_gives_the_models_schema(db_url: str) -> No
         assert current_revision(engine) is None
         upgrade(db_url, engine)
         assert set(inspect(engine).get_table_names()) == TABLES
-        assert current_revision(engine) == head_revision() == "0010"
+        assert current_revision(engine) == head_revision() == "0012"
         assert schema_diff(engine) == []
         upgrade(db_url, engine)  # a second start-up is a no-op
-        assert current_revision(engine) == "0010"
+        assert current_revision(engine) == "0012"
     finally:
         engine.dispose()
 
