@@ -85,14 +85,13 @@ def read_attention_kinds(config: Any) -> tuple[LayerAttention, ...]:
         )
     if len(types) != layers:
         raise UnsupportedModel(f"the config lists {len(types)} layer types for {layers} model layers")
-    if "sliding_attention" in types and not (isinstance(window, int) and window >= 1):
+    full = LayerAttention(AttentionKind.FULL)
+    if "sliding_attention" not in types:
+        return tuple(full for _ in types)
+    if not (isinstance(window, int) and window >= 1):
         raise UnsupportedModel(f"sliding-window layers without a usable sliding_window ({window!r})")
-    return tuple(
-        LayerAttention(AttentionKind.SLIDING, int(window))
-        if t == "sliding_attention"
-        else LayerAttention(AttentionKind.FULL)
-        for t in types
-    )
+    sliding = LayerAttention(AttentionKind.SLIDING, window)
+    return tuple(sliding if t == "sliding_attention" else full for t in types)
 
 
 def _refuse_cache_shapes(config: Any) -> None:
