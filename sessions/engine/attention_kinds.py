@@ -95,6 +95,10 @@ def read_attention_kinds(config: Any) -> tuple[LayerAttention, ...]:
 
 
 def _refuse_cache_shapes(config: Any) -> None:
+    if not getattr(config, "num_attention_heads", None):
+        raise UnsupportedModel(
+            f"{getattr(config, 'model_type', 'this model')} has no attention layers (a recurrent or state-space model)"
+        )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel("encoder-decoder models are not supported (chatkv caches decoder-only self-attention)")
     if getattr(config, "kv_lora_rank", None):

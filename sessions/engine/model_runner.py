@@ -95,13 +95,14 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         config = self.model.config.get_text_config(decoder=True)
         self.max_context_tokens = int(getattr(config, "max_position_embeddings", 2048))
+        attention = read_attention_kinds(config)  # refuses what chatkv cannot reuse, before any shape is read
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.layout = KVLayout(
             num_model_layers=config.num_hidden_layers,
             kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim,
             dtype=self.dtype,
-            attention=read_attention_kinds(config),
+            attention=attention,
         )
         self.stop_token_ids = self._stop_ids()
         original = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
