@@ -23,15 +23,18 @@ the session's own tokens (pinned turns and turn layers, in order) are one tensor
 
 Model layers differ by attention kind (`SessionCache.windows`). A full-attention layer holds every
 token of the layer table. A sliding-window layer of window W (a query sees itself and the W - 1
-tokens before it) holds only its **tail**: the own tokens at the last `n <= W - 1` RoPE positions
-before `next_position`, contiguous, `[1, kv_heads, n, head_dim]`; when the tail starts right after
-the base, its working KV takes the base's last tokens too (up to W - 1 in all). A tail is never
-evicted or re-rotated; older tokens are dropped when a turn completes:
+tokens before it) holds only its **tail**: the own tokens at the last `n` RoPE positions before
+`next_position` (`n <= W - 1`, see the checkpoint below), contiguous, `[1, kv_heads, n, head_dim]`;
+when the tail starts right after the base, its working KV takes the base's last tokens too (up to
+W - 1 in all). A tail is never evicted or re-rotated; older tokens are dropped when a turn completes:
 
     positions          | base 0..b-1 | own b ................................... next-1 |
     full layer         | base        | every held own token (layer table)                |
     sliding layer, W   |                                 | tail: last <= W-1 positions   |
     a turn's buffer    |                                 | tail | prefill ... | reply ... |  then trimmed
+
+A tail also keeps the W - 1 positions before the last turn when that turn is at most W - 1 tokens
+long (a window checkpoint, see `_own_start`), so a fork at the last turn boundary stays warm.
 The cache is treated as an immutable value: operations return a new `SessionCache` and never write
 into tensors another holder may see (the base is shared, and write-back reads old versions).
 """
@@ -392,14 +395,20 @@ class SessionCache:
 
     def _own_start(self, index: int, layer: PreallocatedLayer) -> int:
         """First slot of `layer` (model layer `index` of a working cache built from this cache) that
-        the cache keeps after the turn: the own tokens for a full layer; a sliding layer's new tail,
-        its own tokens at the last W - 1 positions."""
+        the cache keeps after the turn: the own tokens for a full layer; a sliding layer's new tail.
+
+        The tail is the own tokens at the W - 1 positions before the next token, and, when the
+        turn appended at most W - 1 tokens, also the W - 1 before this cache's end (where the last
+        reply ended): the window as it was at the last turn boundary (a **window checkpoint**), so
+        that regenerating or editing the last turn forks warm (`prefix`) instead of re-prefilling
+        the conversation. A longer turn gets no checkpoint: it would hold the turn twice over."""
         window = self.window_of(index)
         if window is None:
             return self.base_tokens
-        length = layer.get_seq_length()
-        own = min(length, layer.next_position - self.base_tokens)
-        return length - min(own, window - 1)
+        end = layer.next_position
+        boundary = self.next_position if end - self.next_position <= window - 1 else end
+        keep_from = max(self.base_tokens, boundary - (window - 1))
+        return max(0, keep_from - (end - layer.get_seq_length()))
 
     def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:
         """Same tensors with an edited layer table (pinning, precision marks)."""

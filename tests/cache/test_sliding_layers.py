@@ -80,6 +80,16 @@ def test_a_fork_reuses_the_tail_only_while_it_holds_the_fork_points_window() -> 
     assert moved_on.prefix(4, transcript_digest="t", rendering_digest="r") is None
 
 
+def test_a_short_last_turn_keeps_the_window_of_its_start_so_regenerating_it_forks_warm() -> None:
+    cache = cache_after([2, 5, 2])  # turn 1 at 4..8, turn 2 (2 tokens, at most W - 1) at 9..10
+    assert positions(cache.own_keys[1]) == [6, 7, 8, 9, 10]  # the window at 9 (6..8) and after
+    prefix = cache.prefix(9, transcript_digest="t", rendering_digest="r")
+    assert prefix is not None and positions(prefix.own_keys[1]) == [6, 7, 8]
+    assert cache.prefix(4, transcript_digest="t", rendering_digest="r") is None
+    working = cache.to_working_cache(1)
+    assert positions(working.prealloc_layers[1].filled_keys) == [6, 7, 8, 9, 10]  # the attention slices
+
+
 def test_the_tensors_round_trip_with_each_layers_own_length_and_the_models_windows_only() -> None:
     cache = cache_after([2, 5])
     tensors, header = session_cache_to_tensors(cache)

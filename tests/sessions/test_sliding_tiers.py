@@ -137,3 +137,17 @@ def test_fork_at_a_turn_whose_windows_the_parent_no_longer_holds_rebuilds_exactl
         expected = reference_reply(manager, tenant, fork, NEXT, TOKENS)
         reply = manager.chat(tenant, fork, NEXT, max_new_tokens=TOKENS)
         assert reply.stats.restored_from == "rebuilt" and reply.token_ids == expected
+
+
+def test_regenerating_a_short_last_turn_forks_warm_from_the_window_checkpoint(
+    tmp_path: Path, gemma3_engine: Engine
+) -> None:
+    with open_manager(tmp_path / "home", gemma3_engine) as manager:
+        tenant, sid = converse(manager)
+        manager.chat(tenant, sid, "Hi", max_new_tokens=3, ignore_eos=True)  # a turn shorter than the window
+        parent = manager.tiers.peek(key_of(tenant, sid))
+        assert parent is not None and parent.layers[-1].token_count <= WINDOW - 1
+        fork = manager.fork(tenant, sid, at_turn=len(MESSAGES))  # regenerate the reply to "Hi"
+        expected = reference_reply(manager, tenant, fork, "Hi", TOKENS)
+        reply = manager.chat(tenant, fork, "Hi", max_new_tokens=TOKENS)
+        assert reply.stats.restored_from == "device" and reply.token_ids == expected
