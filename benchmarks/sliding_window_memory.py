@@ -183,10 +183,11 @@ def main() -> None:
         for variant, engine in engines.items():
             with temp_dir("warm-up") as home, open_manager(home, engine, args.model_cache_dir) as manager:
                 measure(manager, engine, 256, None)  # kernels, allocator, template caches
-            results[variant] = {}
-            for tokens in sizes:
-                results[variant][tokens] = []
-                for _ in range(args.repeats):
+            results[variant] = {tokens: [] for tokens in sizes}
+        # Interleaved (windowed, all-full, windowed, ...) so that load drift falls on both alike.
+        for tokens in sizes:
+            for _ in range(args.repeats):
+                for variant, engine in engines.items():
                     extra = (
                         {"redis_url": redis_url, "redis_prefix": f"bench-{secrets.token_hex(4)}"} if redis_url else {}
                     )
