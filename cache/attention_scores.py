@@ -76,8 +76,11 @@ class ObservationWindow:
         """Importance of the first `cached_tokens` tokens of the working cache (those before the
         prefill), per model layer and KV head.
 
+        Only full-attention model layers are scored (a sliding-window layer holds its own window,
+        which eviction never touches).
+
         Returns:
-            `[num_model_layers, kv_heads, cached_tokens]` float32 on the CPU: attention of the
+            `[full_model_layers, kv_heads, cached_tokens]` float32 on the CPU: attention of the
             window's queries (each a probability distribution over every key it sees, causal
             inside the prefill), summed over the window and over the query heads sharing each KV
             head (GQA), then max-pooled over `pool_kernel` neighbouring tokens.
@@ -87,6 +90,8 @@ class ObservationWindow:
         """
         out = []
         for index, layer in enumerate(self._layers):
+            if layer.window is not None:
+                continue
             query = self._queries[index]
             if query is None:
                 raise RuntimeError(f"bug: model layer {index} captured no query states")

@@ -11,8 +11,14 @@ Tensor names, per model layer `l`:
     idx.{l}                            int32 `[kv_heads, own_tokens]`: the stream index each head
                                        holds, once tokens were evicted (`own_stream_index`)
 
-Format versions: 2 added `idx.{l}` and each layer's `evicted_tokens`; version-1 blobs (no
-evictions) still decode.
+A sliding-window model layer (`SessionCache.windows`) stores its tail, `[1, kv_heads, n_l,
+head_dim]` with its own `n_l <= W - 1`, always exact (a lossy precision applies to the full layers'
+unpinned turn tokens only; a tail is at most W - 1 tokens).
+
+Format versions: 2 added `idx.{l}` and each layer's `evicted_tokens`; 3 added `windows` (each model
+layer's sliding window or null) and per-layer lengths. Version-1 and -2 blobs still decode for a
+model whose every layer is full attention; for a model with sliding layers they are rejected (their
+KV was computed by an attention that saw past the windows) and the session rebuilds.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from cache.ids import PrefixKey
 from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -101,7 +107,7 @@ def session_cache_to_tensors(
     for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
         for name, tensor in (("k", keys), ("v", values)):
             cpu = tensor.detach().to("cpu")
-            if not any_lossy:
+            if not any_lossy or cache.window_of(index) is not None:
                 tensors[f"{name}.{index}"] = cpu.contiguous()  # no copy for an exact cache
                 continue
             tensors[f"{name}.{index}"] = cpu[:, :, ~lossy].contiguous()
@@ -128,6 +134,7 @@ def session_cache_to_tensors(
         "lossy_ranges": lossy_ranges,
         "transcript_digest": cache.transcript_digest,
         "rendering_digest": cache.rendering_digest,
+        "windows": list(cache.windows),
     }
     return tensors, header
 
@@ -148,21 +155,32 @@ def _mark_precision(item: tuple[LayerSpan, int], lossy_ranges: list[tuple[int, i
 
 
 def session_cache_from_tensors(
-    tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device | str
+    tensors: dict[str, torch.Tensor],
+    header: dict[str, Any],
+    device: torch.device | str,
+    windows: Sequence[int | None] = (),
 ) -> SessionCache:
     """Rebuild a session cache on `device` (base not attached; see `SessionCache.with_base`).
+    `windows`: the model's sliding window per model layer (`None`: full), which the blob must
+    have been written for.
 
     Raises:
-        MalformedCache: if names, shapes or the format version do not match the header.
+        MalformedCache: if names, shapes, windows or the format version do not match the header.
     """
+    expected = list(windows) if any(w is not None for w in windows) else []
+    version = header.get("format_version")
+    if version != FORMAT_VERSION and expected:
+        raise MalformedCache(f"format {version!r} predates per-layer attention kinds; this model has sliding layers")
+    if list(header.get("windows", [])) != expected:
+        raise MalformedCache(f"the blob's layer windows {header.get('windows')} are not the model's {expected}")
     try:
-        return _session_cache_from_tensors(tensors, header, torch.device(device))
+        return _session_cache_from_tensors(tensors, header, torch.device(device), tuple(expected))
     except (KeyError, IndexError, TypeError, RuntimeError) as exc:
         raise MalformedCache(f"session cache does not decode: {exc}") from exc
 
 
 def _session_cache_from_tensors(
-    tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device
+    tensors: dict[str, torch.Tensor], header: dict[str, Any], device: torch.device, windows: tuple[int | None, ...]
 ) -> SessionCache:
     if header.get("format_version") not in READABLE_VERSIONS or header.get("kind") != "session":
         raise MalformedCache(f"unsupported cache format {header.get('format_version')!r}/{header.get('kind')!r}")
@@ -179,8 +197,8 @@ def _session_cache_from_tensors(
     for index in range(int(header["num_model_layers"])):
         for name, out in (("k", keys), ("v", values)):
             exact = tensors[f"{name}.{index}"]
-            full = exact  # an exact cache needs no scatter: the decoded tensor is used as is
-            if any_lossy:
+            full = exact  # an exact cache (or a sliding layer's tail) is used as is
+            if any_lossy and not (windows and windows[index] is not None):
                 full = exact.new_empty((*exact.shape[:2], held, exact.shape[3]))
                 full[:, :, ~mask] = exact
                 shape = (*exact.shape[:2], int(mask.sum()), exact.shape[3])
@@ -205,6 +223,7 @@ def _session_cache_from_tensors(
         transcript_digest=str(header.get("transcript_digest", "")),
         rendering_digest=str(header.get("rendering_digest", "")),
         own_stream_index=stream_index,
+        windows=windows,
     )
 
 

@@ -20,6 +20,21 @@ A session cache is a run of cached tokens split into layers (not model layers):
 Storage shapes, per model layer `l`: the shared base holds `[1, kv_heads, base_tokens, head_dim]`;
 the session's own tokens (pinned turns and turn layers, in order) are one tensor pair
 `own_keys[l]`, `own_values[l]` of shape `[1, kv_heads, own_tokens, head_dim]` in the model's dtype.
+
+Model layers differ by attention kind (`SessionCache.windows`). A full-attention layer holds every
+token of the layer table. A sliding-window layer of window W (a query sees itself and the W - 1
+tokens before it) holds only its **tail**: the own tokens at the last `n` RoPE positions before
+`next_position` (`n <= W - 1`, see the checkpoint below), contiguous, `[1, kv_heads, n, head_dim]`;
+when the tail starts right after the base, its working KV takes the base's last tokens too (up to
+W - 1 in all). A tail is never evicted or re-rotated; older tokens are dropped when a turn completes:
+
+    positions          | base 0..b-1 | own b ................................... next-1 |
+    full layer         | base        | every held own token (layer table)                |
+    sliding layer, W   |                                 | tail: last <= W-1 positions   |
+    a turn's buffer    |                                 | tail | prefill ... | reply ... |  then trimmed
+
+A tail also keeps the W - 1 positions before the last turn when that turn is at most W - 1 tokens
+long (a window checkpoint, see `_own_start`), so a fork at the last turn boundary stays warm.
 The cache is treated as an immutable value: operations return a new `SessionCache` and never write
 into tensors another holder may see (the base is shared, and write-back reads old versions).
 """
@@ -161,6 +176,9 @@ class SessionCache:
     (see `sessions.turn.chat_template`); a cache whose text renders differently now (a date in the
     system turn, another template) is not reused. Empty: unknown, never reused."""
     own_stream_index: tuple[torch.Tensor, ...] | None = field(default=None, compare=False)
+    windows: tuple[int | None, ...] = ()
+    """Per model layer, the sliding window W of a sliding-window layer (it holds its tail, see the
+    module docstring) or `None` for a full-attention layer; empty: every layer is full."""
 
     def __post_init__(self) -> None:
         if sum(span.original_tokens for span in self.layers) != len(self.own_token_ids):
@@ -168,15 +186,39 @@ class SessionCache:
                 f"bug: layer table covers {sum(s.original_tokens for s in self.layers)} tokens, "
                 f"own token ids are {len(self.own_token_ids)}"
             )
+        if self.windows and len(self.windows) != len(self.own_keys):
+            raise RuntimeError(f"bug: {len(self.windows)} layer windows for {len(self.own_keys)} model layers")
         held = sum(span.token_count for span in self.layers)
-        if self.own_keys and self.own_keys[0].shape[-2] != held:
-            raise RuntimeError(f"bug: own keys hold {self.own_keys[0].shape[-2]} tokens, the layer table {held}")
-        if self.own_stream_index is not None and any(t.shape[-1] != held for t in self.own_stream_index):
-            raise RuntimeError(f"bug: stream index does not cover the {held} held tokens")
+        span = self.next_position - self.base_tokens
+        for index, keys in enumerate(self.own_keys):
+            tokens = keys.shape[-2]
+            if (tokens != held) if self.window_of(index) is None else (tokens > span):
+                raise RuntimeError(
+                    f"bug: model layer {index} holds {tokens} own tokens; the layer table holds {held}, "
+                    f"window {self.window_of(index)}, {span} own positions"
+                )
+        if self.own_stream_index is not None and any(
+            t.shape[-1] != k.shape[-2] for t, k in zip(self.own_stream_index, self.own_keys, strict=True)
+        ):
+            raise RuntimeError("bug: stream index does not cover the held tokens")
         if self.base is not None and self.base.key != self.base_key:
             raise RuntimeError(f"bug: attached base {self.base.key} is not {self.base_key}")
 
     # -- sizes ---------------------------------------------------------------------------------
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of model layer `layer`, or `None` for full attention."""
+        return self.windows[layer] if self.windows else None
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention model layers (those that hold the whole layer table)."""
+        return tuple(i for i in range(len(self.own_keys)) if self.window_of(i) is None)
+
+    @property
+    def sliding(self) -> bool:
+        """Whether any model layer is a sliding-window layer."""
+        return any(w is not None for w in self.windows)
 
     @property
     def base_tokens(self) -> int:
@@ -212,8 +254,29 @@ class SessionCache:
 
     @property
     def own_nbytes(self) -> int:
-        """Bytes of the session's own tensors on the device (the shared base is counted by the pool)."""
+        """Bytes of the session's own tensors on the device (the shared base is counted by the pool):
+        a sliding-window layer counts its tail only."""
         return sum(t.numel() * t.element_size() for t in (*self.own_keys, *self.own_values))
+
+    def working_nbytes(self, extra_tokens: int) -> int:
+        """Bytes of the working buffer `to_working_cache(extra_tokens)` builds: per model layer its
+        working tokens (base part included) plus `extra_tokens`, keys and values."""
+        total = 0
+        for index, keys in enumerate(self.own_keys):
+            per_token = 2 * keys.shape[1] * keys.shape[3] * keys.element_size()
+            total += (self._from_base(index) + keys.shape[-2] + max(extra_tokens, 1)) * per_token
+        return total
+
+    def _from_base(self, layer: int) -> int:
+        """Base tokens model layer `layer` attends to: all of them for a full-attention layer; for a
+        sliding layer whose tail starts right after the base, the base's last ones up to W - 1 in all."""
+        window = self.window_of(layer)
+        if window is None:
+            return self.base_tokens
+        held = self.own_keys[layer].shape[-2]
+        if self.next_position - held != self.base_tokens:
+            return 0
+        return min(self.base_tokens, max(0, window - 1 - held))
 
     @property
     def next_original_index(self) -> int:
@@ -234,9 +297,15 @@ class SessionCache:
     # -- construction and conversion -----------------------------------------------------------
 
     @classmethod
-    def empty(cls, base: BaseLayer | None, num_model_layers: int, like: torch.Tensor) -> SessionCache:
+    def empty(
+        cls,
+        base: BaseLayer | None,
+        num_model_layers: int,
+        like: torch.Tensor,
+        windows: Sequence[int | None] = (),
+    ) -> SessionCache:
         """A cache with only the base. `like`: a `[1, kv_heads, 0, head_dim]`-shaped template tensor
-        (device and dtype) for the empty own tensors."""
+        (device and dtype) for the empty own tensors; `windows`: see `SessionCache.windows`."""
         empty = tuple(like.new_empty((*like.shape[:-2], 0, like.shape[-1])) for _ in range(num_model_layers))
         return cls(
             base_key=base.key if base else None,
@@ -246,6 +315,7 @@ class SessionCache:
             own_token_ids=(),
             layers=(),
             base=base,
+            windows=tuple(windows) if any(w is not None for w in windows) else (),
         )
 
     def with_base(self, base: BaseLayer | None) -> SessionCache:
@@ -264,11 +334,18 @@ class SessionCache:
         if self.base_tokens and self.base is None:
             raise RuntimeError(f"bug: base {self.base_key} must be attached before the turn runs")
         layers = []
-        offset = self.next_position - self.total_tokens
         for index, (own_k, own_v) in enumerate(zip(self.own_keys, self.own_values, strict=True)):
-            parts_k = [own_k] if self.base is None else [self.base.keys[index], own_k]
-            parts_v = [own_v] if self.base is None else [self.base.values[index], own_v]
-            layers.append(PreallocatedLayer.from_parts(parts_k, parts_v, extra_tokens, position_offset=offset))
+            from_base = self._from_base(index)
+            parts_k, parts_v = [own_k], [own_v]
+            if from_base and self.base is not None:
+                parts_k.insert(0, self.base.keys[index][:, :, -from_base:])
+                parts_v.insert(0, self.base.values[index][:, :, -from_base:])
+            offset = self.next_position - (from_base + own_k.shape[-2])
+            layers.append(
+                PreallocatedLayer.from_parts(
+                    parts_k, parts_v, extra_tokens, position_offset=offset, window=self.window_of(index)
+                )
+            )
         return WorkingCache(layers)
 
     def after_turn(
@@ -286,30 +363,52 @@ class SessionCache:
         start of the next turn) and adds its own layer. Own tensors are copied out of the working
         buffer so the buffer and the base copy in it are freed.
         """
-        total = working.get_seq_length()
-        if total != self.total_tokens + len(appended_token_ids):
-            raise RuntimeError(
-                f"bug: working cache holds {total} tokens, expected {self.total_tokens} + {len(appended_token_ids)}"
-            )
-        own_keys = tuple(layer.filled_keys[:, :, self.base_tokens :].clone() for layer in working.prealloc_layers)
-        own_values = tuple(layer.filled_values[:, :, self.base_tokens :].clone() for layer in working.prealloc_layers)
+        next_position = self.next_position + len(appended_token_ids)
+        own_keys, own_values = [], []
+        for index, layer in enumerate(working.prealloc_layers):
+            if layer.next_position != next_position:
+                raise RuntimeError(
+                    f"bug: working layer {index} ends at position {layer.next_position}, expected "
+                    f"{self.next_position} + {len(appended_token_ids)}"
+                )
+            first = self._own_start(index, layer)
+            own_keys.append(layer.filled_keys[:, :, first:].clone())
+            own_values.append(layer.filled_values[:, :, first:].clone())
         kept = _spans_before(self.layers, spans)
         stream_index = None
         if self.own_stream_index is not None:
             new = _appended_stream_index(self.layers, spans, len(appended_token_ids))
             stream_index = tuple(
-                torch.cat([index, new.expand(index.shape[0], -1)], dim=-1) for index in self.own_stream_index
+                torch.cat([index, new.expand(index.shape[0], -1)], dim=-1)[:, -keys.shape[-2] :]
+                for index, keys in zip(self.own_stream_index, own_keys, strict=True)
             )
         return replace(
             self,
-            own_keys=own_keys,
-            own_values=own_values,
+            own_keys=tuple(own_keys),
+            own_values=tuple(own_values),
             own_token_ids=self.own_token_ids + tuple(appended_token_ids),
             layers=(*kept, *spans),
             own_stream_index=stream_index,
             transcript_digest=self.transcript_digest if transcript_digest is None else transcript_digest,
             rendering_digest=self.rendering_digest if rendering_digest is None else rendering_digest,
         )
+
+    def _own_start(self, index: int, layer: PreallocatedLayer) -> int:
+        """First slot of `layer` (model layer `index` of a working cache built from this cache) that
+        the cache keeps after the turn: the own tokens for a full layer; a sliding layer's new tail.
+
+        The tail is the own tokens at the W - 1 positions before the next token, and, when the
+        turn appended at most W - 1 tokens, also the W - 1 before this cache's end (where the last
+        reply ended): the window as it was at the last turn boundary (a **window checkpoint**), so
+        that regenerating or editing the last turn forks warm (`prefix`) instead of re-prefilling
+        the conversation. A longer turn gets no checkpoint: it would hold the turn twice over."""
+        window = self.window_of(index)
+        if window is None:
+            return self.base_tokens
+        end = layer.next_position
+        boundary = self.next_position if end - self.next_position <= window - 1 else end
+        keep_from = max(self.base_tokens, boundary - (window - 1))
+        return max(0, keep_from - (end - layer.get_seq_length()))
 
     def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:
         """Same tensors with an edited layer table (pinning, precision marks)."""
@@ -329,6 +428,11 @@ class SessionCache:
         token evicted, nothing stored at a lower precision. Otherwise returns `None` (the fork is
         rebuilt from its transcript, as a window change is), as it does when the cache does not
         reach `stream_end`.
+
+        A sliding-window layer needs its window as it was at `stream_end` (the own tokens at the
+        W - 1 positions before it); its tail holds the last W - 1 positions of the cache, so the
+        prefix is `None` (rebuilt) unless the tail still reaches back that far, as it does while the
+        conversation is shorter than the window.
         """
         if self.own_stream_index is not None or not self.base_tokens <= stream_end <= self.next_original_index:
             return None
@@ -346,15 +450,30 @@ class SessionCache:
         if expected < stream_end:
             return None
         held = stream_end - self.base_tokens
+        slices = [self._prefix_slice(index, stream_end) for index in range(len(self.own_keys))]
+        if any(s is None for s in slices):
+            return None
         return replace(
             self,
-            own_keys=tuple(k[:, :, :held] for k in self.own_keys),
-            own_values=tuple(v[:, :, :held] for v in self.own_values),
+            own_keys=tuple(k[:, :, s] for k, s in zip(self.own_keys, slices, strict=True)),
+            own_values=tuple(v[:, :, s] for v, s in zip(self.own_values, slices, strict=True)),
             own_token_ids=self.own_token_ids[:held],
             layers=tuple(layers),
             transcript_digest=transcript_digest,
             rendering_digest=rendering_digest,
         )
+
+    def _prefix_slice(self, index: int, stream_end: int) -> slice | None:
+        """Own slots of model layer `index` in the prefix ending at `stream_end` (positions equal
+        stream indices there), or `None` when a sliding tail no longer holds that window."""
+        window = self.window_of(index)
+        if window is None:
+            return slice(0, stream_end - self.base_tokens)
+        first = self.next_position - self.own_keys[index].shape[-2]  # the tail's first position
+        wanted = max(self.base_tokens, stream_end - (window - 1))
+        if first > wanted:
+            return None
+        return slice(wanted - first, stream_end - first)
 
 
 def span_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int, int]]:
@@ -406,7 +525,12 @@ class PreallocatedLayer(DynamicLayer):
     """
 
     def __init__(
-        self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int, position_offset: int = 0
+        self,
+        key_buffer: torch.Tensor,
+        value_buffer: torch.Tensor,
+        length: int,
+        position_offset: int = 0,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self._key_buffer = key_buffer
@@ -414,7 +538,10 @@ class PreallocatedLayer(DynamicLayer):
         self._length = length
         self.position_offset = position_offset
         """RoPE position of the next token minus the filled length (tokens evicted with their
-        positions kept, see `SessionCache.next_position`)."""
+        positions kept, or a sliding layer's tokens before its tail, see `SessionCache`)."""
+        self.window = window
+        """The sliding window W of this model layer (the packed attention lets a query see the
+        W - 1 slots before its own), or `None` for full attention."""
         self.query_observer: Callable[[torch.Tensor, float | None], None] | None = None
         """Called by the packed attention with each chunk's query states `[1, heads, n, head_dim]`
         (after RoPE) and the attention scaling; the window policy's scoring sets it
@@ -430,6 +557,7 @@ class PreallocatedLayer(DynamicLayer):
         values: Sequence[torch.Tensor],
         extra_tokens: int,
         position_offset: int = 0,
+        window: int | None = None,
     ) -> PreallocatedLayer:
         length = sum(k.shape[-2] for k in keys)
         first = keys[0]
@@ -442,7 +570,7 @@ class PreallocatedLayer(DynamicLayer):
             key_buffer[:, :, offset : offset + n].copy_(k)
             value_buffer[:, :, offset : offset + n].copy_(v)
             offset += n
-        return cls(key_buffer, value_buffer, length, position_offset)
+        return cls(key_buffer, value_buffer, length, position_offset, window)
 
     def _refresh_views(self) -> None:
         self.keys = self._key_buffer[:, :, : self._length]

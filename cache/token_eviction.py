@@ -57,10 +57,13 @@ def evictable_tokens(cache: SessionCache, recent_tokens: int) -> int:
 def evict_by_scores(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> SessionCache:
     """Evict `evict_tokens` tokens from every KV head of every model layer, lowest scores first.
 
+    Only full-attention model layers evict (`SessionCache.full_layers`); a sliding-window layer's
+    tail is its window and stays whole.
+
     Args:
         cache: own tensors `[1, kv_heads, own_tokens, head_dim]` per model layer.
-        scores: `[num_model_layers, kv_heads, cache.total_tokens]` float importance of every cached
-            token (base first), e.g. `ObservationWindow.scores`.
+        scores: `[full_model_layers, kv_heads, cache.total_tokens]` float importance of every cached
+            token (base first) in each full-attention layer, e.g. `ObservationWindow.scores`.
         evict_tokens: tokens to drop per head, `0 <= evict_tokens <= evictable_tokens(...)`.
         recent_tokens: most recent own tokens never evicted.
 
@@ -77,7 +80,7 @@ def evict_by_scores(cache: SessionCache, scores: torch.Tensor, evict_tokens: int
     evictable = sum(end - start for _, start, end in ranges)
     if not 0 <= evict_tokens <= evictable:
         raise ValueError(f"cannot evict {evict_tokens} tokens per head, {evictable} are evictable")
-    layers_n = len(cache.own_keys)
+    layers_n = len(cache.full_layers)
     kv_heads = cache.own_keys[0].shape[1] if cache.own_keys else 0
     expected = (layers_n, kv_heads, cache.total_tokens)
     if tuple(scores.shape) != expected:
@@ -128,20 +131,26 @@ def _kept_slots(
     return torch.cat(pieces, dim=-1)
 
 
+def _tail_stream_index(cache: SessionCache, held: int) -> torch.Tensor:
+    """`[held]` stream index of a model layer's own slots before any eviction: every held token of
+    a full layer, the last `held` of a sliding layer's tail."""
+    return stream_index_of(cache.layers)[-held:] if held else torch.zeros(0, dtype=torch.long)
+
+
 def _gather(
     cache: SessionCache, slots: torch.Tensor, ranges: list[tuple[int, int, int]], quotas: list[int]
 ) -> SessionCache:
     old_index = cache.own_stream_index
     if old_index is None:
-        flat = stream_index_of(cache.layers)
-        old_index = tuple(flat.expand(slots.shape[1], -1) for _ in cache.own_keys)
-    keys, values, stream_index = [], [], []
-    for layer, (k, v) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
-        index = slots[layer].to(k.device)  # [kv, kept]
+        old_index = tuple(_tail_stream_index(cache, k.shape[-2]).expand(k.shape[1], -1) for k in cache.own_keys)
+    keys, values, stream_index = list(cache.own_keys), list(cache.own_values), list(old_index)
+    for row, layer in enumerate(cache.full_layers):
+        k, v = cache.own_keys[layer], cache.own_values[layer]
+        index = slots[row].to(k.device)  # [kv, kept]
         expanded = index[None, :, :, None].expand(1, k.shape[1], index.shape[1], k.shape[3])
-        keys.append(torch.gather(k, 2, expanded))
-        values.append(torch.gather(v, 2, expanded))
-        stream_index.append(torch.gather(old_index[layer], 1, slots[layer]))
+        keys[layer] = torch.gather(k, 2, expanded)
+        values[layer] = torch.gather(v, 2, expanded)
+        stream_index[layer] = torch.gather(old_index[layer], 1, slots[row])
     spans: list[LayerSpan] = list(cache.layers)
     for (position, start, end), quota in zip(ranges, quotas, strict=True):
         dropped = end - start - quota

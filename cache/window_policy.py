@@ -150,6 +150,8 @@ def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], layout:
     """
     if not demote:
         return cache
+    if cache.sliding:
+        raise RuntimeError("bug: a cache with sliding-window layers demotes by re-prefill, not by rotation")
     kept = kept_layers(cache, demote)
     position = cache.base_tokens
     spans: list[LayerSpan] = []

@@ -45,6 +45,7 @@ from sessions.errors import (
     TenantExists,
     TenantNotFound,
     TurnCancelled,
+    UnsupportedModel,
 )
 from sessions.home import (
     ADMIN_TOKEN_FILE,
@@ -146,6 +147,7 @@ __all__ = [
     "TenantNotFound",
     "TurnCancelled",
     "TurnStats",
+    "UnsupportedModel",
     "admin_token",
     "check_session_name",
     "check_text",

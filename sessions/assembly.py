@@ -147,7 +147,12 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     )
     shared_store = open_shared_store(settings.redis_config(), metadata, engine.fingerprint)
     sealer = EncryptedCacheSealer(
-        keys, engine.fingerprint, engine.device, tier_config.offload_precision, tier_config.quant_residual_tokens
+        keys,
+        engine.fingerprint,
+        engine.device,
+        tier_config.offload_precision,
+        tier_config.quant_residual_tokens,
+        windows=engine.layout.windows,
     )
     tiers = _tier_manager(tier_config, engine, sealer, disk_store, shared_store, metrics, replicas)
     remove_temp_files(settings.home)

@@ -170,6 +170,13 @@ class ModelNotFound(ModelUnavailable):
     cache. Bad input: the CLI exits 2."""
 
 
+class UnsupportedModel(ModelUnavailable):
+    """The model loads, but chatkv cannot reuse its cache exactly (`sessions.engine.attention_kinds`:
+    latent-compressed KV, recurrent or linear-attention layers, encoder-decoder, an attention
+    argument the packed attention does not implement). Refused at load, before any turn; the
+    message names what is unsupported. Bad input: the CLI exits 2."""
+
+
 class HomeLocked(ChatKVError):
     """Another process holds the chatkv home: a running server, or a process with its own
     `SessionManager` open (one process owns a home). The message names the holder and says how to

@@ -55,6 +55,8 @@ class EncryptedCacheSealer:
         residual_tokens: most recent tokens kept exact when `precision` is lossy.
         chunk_bytes: plaintext bytes per sealed chunk (`storage.chunked_blobs.CHUNK_BYTES`; tests
             set a small one to get many chunks from small caches).
+        windows: the model's sliding window per model layer (`None`: full attention); a blob
+            written for other windows is rejected (`cache.serialization`).
     """
 
     def __init__(
@@ -65,8 +67,10 @@ class EncryptedCacheSealer:
         precision: str = "exact",
         residual_tokens: int = 0,
         chunk_bytes: int = CHUNK_BYTES,
+        windows: tuple[int | None, ...] = (),
     ) -> None:
         self._keys = keys
+        self._windows = windows
         self._fingerprint = model_fingerprint
         self._device = device
         self._precision = precision
@@ -135,7 +139,7 @@ class EncryptedCacheSealer:
     def open_session(self, key: CacheKey, blob: SealedBlob) -> SessionCache:
         tensors, header = self._open(key, blob)
         try:
-            return session_cache_from_tensors(tensors, header, self._device)
+            return session_cache_from_tensors(tensors, header, self._device, self._windows)
         except MalformedCache as exc:
             raise BlobRejected(str(exc)) from exc
 

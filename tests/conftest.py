@@ -66,6 +66,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -
 
 
 @pytest.fixture(scope="session")
+def gemma3_engine(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Engine:
+    """A tiny random Gemma-3-shaped model (5 sliding-window layers of `model_families.WINDOW`
+    tokens, then one full-attention layer) with SmolLM2's tokenizer and chat template."""
+    from transformers import AutoTokenizer
+
+    from tests.model_families import save_family_model
+
+    path = save_family_model("gemma3", AutoTokenizer.from_pretrained(smollm_dir), tmp_path_factory.mktemp("gemma3"))
+    return Engine(load_model(str(path), MODEL_CACHE, "cpu", "float32"))
+
+
+@pytest.fixture(scope="session")
 def real_engine(smollm_dir: Path) -> Engine:
     return Engine(load_model("default", MODEL_CACHE, "cpu", "float32"))
 

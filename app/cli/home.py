@@ -47,11 +47,11 @@ def domain_errors() -> Iterator[None]:
     failures of the model, the key ring or the database exit 1."""
     from sqlalchemy.exc import OperationalError
 
-    from sessions import BackendUnavailable, ChatKVError, ModelNotFound, ModelUnavailable
+    from sessions import BackendUnavailable, ChatKVError, ModelNotFound, ModelUnavailable, UnsupportedModel
 
     try:
         yield
-    except ModelNotFound as exc:  # a --model value that names nothing reachable
+    except (ModelNotFound, UnsupportedModel) as exc:  # a --model value that names nothing reachable or usable
         raise CLIError(str(exc), 2) from None
     except (ModelUnavailable, BackendUnavailable) as exc:  # the key ring, a Redis Cluster
         raise CLIError(str(exc), 1) from None

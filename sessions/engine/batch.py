@@ -1,4 +1,4 @@
-"""Packing one step's requests into one forward pass, and the attention function that keeps them apart.
+"""Packing one step's requests into one forward pass.
 
 All new tokens of a step form one row, `input_ids [1, T]`; each request keeps its own RoPE
 positions (`position_ids [1, T]`: its next position onwards, `PreallocatedLayer.next_position`) and its
@@ -6,7 +6,8 @@ own contiguous KV buffer (`PreallocatedLayer`, per model layer). In every attent
 
     query  [1, heads, T, head_dim]    | req A: 1 token | req B: 1 token | req C: 40-token prefill chunk |
     StepCache.update   writes each request's new keys/values into that request's own buffer
-    packed_attention   per request: SDPA(query slice, its buffer [0 .. len]) ; causal inside a chunk
+    packed attention   per request: attention of its query slice over its buffer, by the model
+                       layer's attention kind (`sessions.engine.packed_attention`)
     output [1, T, heads, head_dim]    the slices concatenated back in row order
 
 So a request's logits do not depend on the other requests in the step, up to float rounding of the
@@ -15,46 +16,52 @@ contiguous buffers beat one SDPA over a block-diagonal mask, which must first ga
 request's KV into one tensor per model layer per step. transformers' own continuous batching
 (`generate_batch`, `PagedAttentionCache`) takes token ids only and cannot continue chatkv's caches.
 
-The function is registered with transformers' `AttentionInterface` under a name of its own; calls
-without a packed step (plain use of the same model object, e.g. by tests and baselines) fall back
-to the model's original implementation, so the model stays usable as an ordinary one.
+The step reaches the attention function two ways: as the model keyword argument `STEP_KWARG`, and
+on the 4-D placeholder mask (`PackedBatch.placeholder_mask`), which transformers hands to every
+layer as it is. The second serves models whose decoder layers do not forward keyword arguments
+to their attention (StableLM).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import DynamicCache
 
 from cache.session_cache import PreallocatedLayer
 
 STEP_KWARG = "chatkv_step"
 """Keyword argument through which the model passes the step's `PackedBatch` to the attention."""
 
-NO_MASK = torch.empty(1, 1, 0, 0)
-"""A 4-D placeholder mask: transformers returns a prepared 4-D mask as it is, so passing this skips
-building a causal mask that the packed attention would not use."""
+
+def band_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """`[queries, keys]` bool mask of the last `queries` slots of `keys` (True: attended): causal,
+    and within `window` slots of the query (its own included) when `window` is set. `None` when
+    every key is visible (one query over at most `window` keys)."""
+    if queries == 1 and (window is None or keys <= window):
+        return None
+    rows = torch.arange(keys - queries, keys, device=device)[:, None]
+    cols = torch.arange(keys, device=device)[None, :]
+    visible = cols <= rows
+    if window is not None:
+        visible &= rows - cols < window
+    return visible
 
 
 @dataclass(frozen=True)
 class Segment:
     """One request's tokens in the packed row: `[start, start + length)`.
 
-    `layers[l]` is the request's KV buffer of model layer `l`; `mask` is `None` for one token, else
-    a `[length, cached + length]` bool mask (causal inside the chunk, everything before it visible).
+    `layers[l]` is the request's KV buffer of model layer `l` (its length and window differ per
+    model layer; the attention masks per layer, `PackedBatch.mask`).
     """
 
     start: int
     length: int
     layers: Sequence[PreallocatedLayer]
-    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -66,18 +73,47 @@ class PackedBatch:
         position_ids: `[1, T]` long, each request's own RoPE positions.
         segments: per request, in row order.
         logits_indices: `[R]` long: rows whose logits are needed (each sampling chunk's last token).
+        observed: when not `None` (a probe), each model layer's attention arguments as the packed
+            attention saw them, by layer index (`ModelRunner` checks them at load).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     segments: tuple[Segment, ...]
     logits_indices: torch.Tensor
+    observed: dict[int, dict[str, Any]] | None = None
+    _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    def mask(self, queries: int, keys: int, window: int | None) -> torch.Tensor | None:
+        """The `[queries, keys]` bool mask of a chunk of `queries` tokens over its (sliced) buffer
+        of `keys` slots in a model layer of sliding `window` (or full, `None`): `band_mask`,
+        built once per step and shape."""
+        key = (queries, keys, window)
+        if key not in self._masks:
+            self._masks[key] = band_mask(queries, keys, window, self.input_ids.device)
+        return self._masks[key]
+
+    def observe(self, layer_idx: int, arguments: dict[str, Any]) -> None:
+        if self.observed is not None:
+            self.observed[layer_idx] = arguments
+
+    def placeholder_mask(self) -> torch.Tensor:
+        """A 4-D placeholder attention mask carrying this step: transformers returns a prepared
+        4-D mask as it is, so passing it skips building a causal mask the packed attention would
+        not use, and every layer receives it."""
+        mask = torch.empty(1, 1, 0, 0, device=self.input_ids.device)
+        setattr(mask, STEP_KWARG, self)
+        return mask
 
 
 def pack(
-    chunks: Sequence[tuple[Sequence[PreallocatedLayer], Sequence[int], bool]], device: torch.device
+    chunks: Sequence[tuple[Sequence[PreallocatedLayer], Sequence[int], bool]],
+    device: torch.device,
+    *,
+    probe: bool = False,
 ) -> PackedBatch:
     """Build the step's input from `(request KV layers, ids to feed, samples)` per request.
+    `probe`: record each model layer's attention arguments (`PackedBatch.observed`).
 
     Raises:
         ValueError: if there is no chunk or a chunk has no ids.
@@ -91,13 +127,9 @@ def pack(
     for layers, token_ids, samples in chunks:
         if not token_ids:
             raise ValueError("a chunk needs at least one token")
-        cached = layers[0].get_seq_length()
-        first_position = layers[0].next_position  # past `cached` when tokens were evicted
+        first_position = layers[0].next_position  # the same in every model layer
         n = len(token_ids)
-        mask = None
-        if n > 1:
-            mask = torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(diagonal=cached)
-        segments.append(Segment(len(ids), n, layers, mask))
+        segments.append(Segment(len(ids), n, layers))
         ids.extend(token_ids)
         positions.extend(range(first_position, first_position + n))
         if samples:
@@ -107,6 +139,7 @@ def pack(
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
         segments=tuple(segments),
         logits_indices=torch.tensor(sampled, dtype=torch.long, device=device),
+        observed={} if probe else None,
     )
 
 
@@ -131,50 +164,3 @@ class StepCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
-
-
-def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """The attention function: per request over its own buffer when the model is called with a
-    packed step, else `fallback` (the model's original attention implementation)."""
-
-    def packed_attention(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, Any]:
-        batch: PackedBatch | None = kwargs.get(STEP_KWARG)
-        if batch is None:
-            return fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer_idx: int = getattr(module, "layer_idx", 0)
-        outputs = []
-        for segment in batch.segments:
-            layer = segment.layers[layer_idx]
-            q = query[:, :, segment.start : segment.start + segment.length]  # [1, heads, n, head_dim]
-            if layer.query_observer is not None:
-                layer.query_observer(q, scaling)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    q, layer.filled_keys, layer.filled_values, attn_mask=segment.mask, scale=scaling, enable_gqa=True
-                )
-            )
-        out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        return out.transpose(1, 2).contiguous(), None  # [1, T, heads, head_dim], as transformers expects
-
-    return packed_attention
-
-
-def register_packed_attention(original: str) -> str:
-    """Register the packed attention for a model whose attention implementation is `original`, and
-    return the name to set on the model (`model.set_attn_implementation(name)`)."""
-    name = f"chatkv_packed_{original}"
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        fallback = ALL_ATTENTION_FUNCTIONS.get(original, sdpa_attention_forward)
-        mask = ALL_MASK_ATTENTION_FUNCTIONS.get(original, sdpa_mask)
-        AttentionInterface.register(name, packed_attention_for(fallback))
-        AttentionMaskInterface.register(name, mask)
-    return name

@@ -91,7 +91,8 @@ class Request:
             of the engine itself); exactly one of `start` and `working` is given.
         stop_token_ids: ids that end the reply.
         accountant: reserves the working buffer's bytes against a device budget; `None`: unbudgeted.
-        bytes_per_token: KV bytes per token of the model (for the reservation).
+        reserve_kv: reserve the working buffer's bytes (`SessionCache.working_nbytes`: each model
+            layer's own length, a sliding layer's tail only) through `accountant`.
         keep_logits: keep every sampled row's logits (`sampled_logits`), for exactness tests.
 
     Raises:
@@ -108,7 +109,7 @@ class Request:
         working: WorkingCache | None = None,
         stop_token_ids: Sequence[int] = (),
         accountant: KVAccountant | None = None,
-        bytes_per_token: int = 0,
+        reserve_kv: bool = False,
         keep_logits: bool = False,
     ) -> None:
         if not prefill_ids:
@@ -129,9 +130,8 @@ class Request:
         self.submitted_at = time.monotonic()
         self.scheduled_at: float | None = None
         self.reserved_bytes = 0
-        cached = start.total_tokens if start is not None else 0
         new = len(prefill_ids) + (params.max_new_tokens if params is not None else 0)
-        self.kv_bytes = (cached + new) * bytes_per_token if start is not None else 0
+        self.kv_bytes = start.working_nbytes(new) if start is not None and reserve_kv else 0
         self.sampled_logits: list[torch.Tensor] | None = [] if keep_logits else None
         self._channel: queue.SimpleQueue[int | RequestResult | BaseException] = queue.SimpleQueue()
         self._cancel_error: BaseException | None = None

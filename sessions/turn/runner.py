@@ -225,7 +225,7 @@ class TurnRunner:
             start=prepared.cache,
             stop_token_ids=self.engine.stop_token_ids,
             accountant=self.tiers,
-            bytes_per_token=self.engine.layout.bytes_per_token,
+            reserve_kv=True,
         )
 
     def _start_cache(self, prepared: PreparedTurn, working: WorkingCache, lease: Lease) -> SessionCache:

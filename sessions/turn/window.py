@@ -13,6 +13,9 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
   same ids on the smaller cache, so scoring costs one extra prefill of the turn, only on turns
   that must shrink the window.
 
+Only full-attention model layers evict under `attention`: a sliding-window layer holds its window
+and no more; a model without full-attention layers demotes whole turns under either policy.
+
 Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
 positions would pass the model's position limit takes the rebuild path instead
 (`positions_overflow`), which under `attention` prefills the kept past at contiguous positions
@@ -155,7 +158,7 @@ class TurnWindow:
         Raises:
             ContextTooLong: if it cannot fit (pinned turns, base and the recent window too large).
         """
-        if self.window.policy == "attention":
+        if self.window.policy == "attention" and cache.full_layers:
             return self._evict(cache, [*closing, *turn], max_new_tokens)
         window = self.plan_layers(cache.layers, cache.base_tokens, len(closing), len(turn), max_new_tokens)
         last = cache.layers[-1].original_start if cache.layers else None
@@ -179,7 +182,7 @@ class TurnWindow:
         return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored)
 
     def score(self, cache: SessionCache, prefill: Sequence[int]) -> torch.Tensor:
-        """`[num_model_layers, kv_heads, cache.total_tokens]` float32 importance of the cached tokens
+        """`[full_model_layers, kv_heads, cache.total_tokens]` float32 importance of the cached tokens
         to the last `observation_tokens` of `prefill` (prefilled on a copy of the cache, which is
         then dropped; the copy's buffer is reserved against the device budget meanwhile)."""
         with self.device_buffer(cache.total_tokens + len(prefill)):

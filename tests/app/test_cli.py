@@ -375,6 +375,39 @@ def test_missing_model_is_bad_input_exit_2(cli: Cli, tmp_path: Path) -> None:
     assert_one_line_error(cli("tenants", "create", "acme", CHATKV_MODEL=str(tmp_path / "no-model")), code=2)
 
 
+def test_serve_refuses_a_model_whose_cache_it_cannot_reuse_in_one_line_exit_2(
+    cli: Cli, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    path = tmp_path / "mla-model"
+    DeepseekV3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    refused = cli("serve", "--model", str(path), "--port", str(free_port()), "--log-level", "error")
+    message = assert_one_line_error(refused, code=2)
+    assert message == "error: latent-compressed KV caches (MLA, kv_lora_rank) are not supported"
+
+
 # -- operations --------------------------------------------------------------------------------
 
 

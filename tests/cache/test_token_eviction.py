@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache.attention_scores import _layer_scores
-from cache.serialization import session_cache_from_tensors, session_cache_to_tensors
+from cache.serialization import FORMAT_VERSION, session_cache_from_tensors, session_cache_to_tensors
 from cache.token_eviction import evict_by_scores, evictable_tokens
 from cache.window_policy import WindowPolicy, demote_by_rotation
 from tests.cache.helpers import HEADS, LAYERS, LAYOUT, make_cache
@@ -102,7 +102,7 @@ def test_serialization_round_trips_an_evicted_cache_exactly() -> None:
     cache = make_cache([8, 8, 8], base_tokens=2)
     out = evict_by_scores(cache, scores_for(cache, {0: [0, 1], 1: [9, 10]}), evict_tokens=7, recent_tokens=4)
     tensors, header = session_cache_to_tensors(out)
-    assert header["format_version"] == 2
+    assert header["format_version"] == FORMAT_VERSION
     back = session_cache_from_tensors(tensors, header, "cpu")
     assert back.layers == out.layers and back.own_token_ids == out.own_token_ids
     assert back.next_position == out.next_position
