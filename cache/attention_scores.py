@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cache.session_cache import PreallocatedLayer, WorkingCache
+from cache.working_cache import PreallocatedLayer, WorkingCache
 
 DEFAULT_POOL_KERNEL = 7
 """Neighbourhood of the max-pool over scores (SnapKV pools with kernels 5-7)."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from cache.session_cache import PreallocatedLayer
+from cache.working_cache import PreallocatedLayer
 
 STEP_KWARG = "chatkv_step"
 """Keyword argument through which the model passes the step's `PackedBatch` to the attention."""

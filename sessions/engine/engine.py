@@ -14,7 +14,8 @@ import torch
 
 from cache.ids import TenantId
 from cache.rope import RopeLayout
-from cache.session_cache import BaseLayer, SessionCache, WorkingCache
+from cache.session_cache import BaseLayer, SessionCache
+from cache.working_cache import WorkingCache
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.loop import EngineLoop
 from sessions.engine.model_runner import KVLayout, ModelRunner

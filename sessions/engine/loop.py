@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from cache.ids import TenantId
-from cache.session_cache import PreallocatedLayer, WorkingCache
+from cache.working_cache import PreallocatedLayer, WorkingCache
 from sessions.engine.batch import PackedBatch, pack
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.request import Request

@@ -29,7 +29,8 @@ from typing import Protocol
 import torch
 
 from cache.ids import TenantId
-from cache.session_cache import SessionCache, WorkingCache
+from cache.session_cache import SessionCache
+from cache.working_cache import WorkingCache
 from sessions.sampling import Sampler, SamplingParams
 
 _ids = itertools.count(1)

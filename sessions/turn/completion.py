@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from cache.session_cache import LayerKind, LayerSpan, SessionCache, WorkingCache
+from cache.session_cache import LayerKind, LayerSpan, SessionCache
 from cache.window_policy import MIN_TURN_TOKENS
+from cache.working_cache import WorkingCache
 from sessions.records import FinishReason, Reply, TurnStats
 from sessions.turn.chat_template import PastTurn, rendering_digest
 from sessions.turn.prepared import PreparedTurn

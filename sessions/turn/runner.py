@@ -22,10 +22,11 @@ from contextlib import contextmanager
 
 from cache.ids import SessionId, TenantId
 from cache.lease import Lease
-from cache.session_cache import BaseLayer, SessionCache, WorkingCache
+from cache.session_cache import BaseLayer, SessionCache
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey
 from cache.window_policy import WindowPolicy
+from cache.working_cache import WorkingCache
 from sessions.cancellation import CancelToken
 from sessions.engine import Engine, Request, RequestResult
 from sessions.errors import SessionNotFound

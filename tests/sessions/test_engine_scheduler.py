@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cache.ids import TenantId
-from cache.session_cache import WorkingCache
+from cache.working_cache import WorkingCache
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.request import Request
 from sessions.engine.scheduler import Scheduler, TenantRoundRobin
