@@ -42,7 +42,7 @@ from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
 from sessions.model_cache import old_home_copy
 from sessions.model_source import load_model
-from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore
+from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore, max_payload_bytes
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
@@ -147,7 +147,12 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     )
     shared_store = open_shared_store(settings.redis_config(), metadata, engine.fingerprint)
     sealer = EncryptedCacheSealer(
-        keys, engine.fingerprint, engine.device, tier_config.offload_precision, tier_config.quant_residual_tokens
+        keys,
+        engine.fingerprint,
+        engine.device,
+        tier_config.offload_precision,
+        tier_config.quant_residual_tokens,
+        max_payload_bytes=max_payload_bytes(engine.max_context_tokens, engine.layout),
     )
     tiers = _tier_manager(tier_config, engine, sealer, disk_store, shared_store, metrics, replicas)
     remove_temp_files(settings.home)
