@@ -75,6 +75,9 @@ class ManagerParts:
     metadata: MetadataStore
     idempotency: IdempotentRequests
     engine: Engine
+    owns_engine: bool
+    """Whether `assemble` loaded the engine (closed with the parts) or was handed it (shared: it
+    outlives the manager)."""
     context_budget_tokens: int
     keys: TenantKeys
     metrics: Metrics
@@ -114,6 +117,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     database = open_database(settings.resolved_database_url)
     upgrade(settings.resolved_database_url, database)
     metadata = MetadataStore(database)
+    owns_engine = engine is None
     if engine is None:
         device = resolve_device(model.device)
         dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
@@ -186,6 +190,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         metadata=metadata,
         idempotency=IdempotentRequests(database),
         engine=engine,
+        owns_engine=owns_engine,
         context_budget_tokens=budget,
         keys=keys,
         metrics=metrics,
@@ -354,14 +359,20 @@ def _idle(tiers: TierManager, key: CacheKey) -> Iterator[None]:
 def close_parts(parts: ManagerParts, lease_wait_s: float) -> None:
     """Stop a manager's parts once its turns were cancelled: wait up to `lease_wait_s` for them to
     let go of their sessions, hand sessions over (replicas), persist caches to disk (a restart
-    resumes warm), stop the write-back, close the database."""
-    if not parts.tiers.wait_for_leases(lease_wait_s):
-        log.warning("turns still hold sessions %.0f s after close(); their caches are not persisted", lease_wait_s)
-    parts.engine.loop.remove_observer(parts.metrics)
-    parts.replicas.close()  # publishes the sessions it holds, so others take them at once
-    parts.tiers.persist_all()
-    parts.tiers.close()
-    parts.database.dispose()
+    resumes warm), stop the write-back, close the database; last, even if one of those failed,
+    stop and join the engine loop if the manager loaded the engine (a shared one keeps serving
+    its other users)."""
+    try:
+        if not parts.tiers.wait_for_leases(lease_wait_s):
+            log.warning("turns still hold sessions %.0f s after close(); their caches are not persisted", lease_wait_s)
+        parts.engine.loop.remove_observer(parts.metrics)
+        parts.replicas.close()  # publishes the sessions it holds, so others take them at once
+        parts.tiers.persist_all()
+        parts.tiers.close()
+        parts.database.dispose()
+    finally:
+        if parts.owns_engine:
+            parts.engine.close()
 
 
 def resolve_device(device: str) -> str:

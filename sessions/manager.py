@@ -68,8 +68,10 @@ class SessionManager:
 
     Args:
         settings: configuration; default `Settings()` (every field from `CHATKV_<FIELD>` when set).
-        engine: an already loaded `Engine` to share (tests and benchmarks load the model once);
-            default loads `settings.model`.
+        engine: an already loaded `Engine` to share (tests and benchmarks load the model once):
+            it outlives this manager and keeps serving others; default loads `settings.model`,
+            and `close()` then stops the engine loop (its thread joined, the model released with
+            the manager).
 
     Raises:
         ModelUnavailable: if the model cannot be loaded.
@@ -122,7 +124,8 @@ class SessionManager:
     def close(self) -> None:
         """Cancel turns in flight (they raise `ManagerClosed` and store nothing) and wait for them
         to let go of their sessions, persist caches to disk (a restart resumes warm), stop the
-        write-back, close the database, release the home. Later calls that start work raise
+        write-back, close the database, stop the engine loop if this manager loaded the engine
+        (not one handed in), release the home. Later calls that start work raise
         `ManagerClosed`. A server waits for its turns to finish before it closes the manager."""
         if self._closed:
             return
