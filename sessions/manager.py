@@ -527,7 +527,9 @@ class SessionManager:
         self._parts.replicas.set_url(url)
 
     def stats(self) -> dict[str, Any]:
-        """Sessions and bytes per tier, budgets, cache hit rate, prefill tokens saved, evictions;
+        """Sessions and bytes per tier (`copies`: sessions placed higher whose copy the tier also
+        holds, the write-back's disk copies; their bytes count), budgets, cache hit rate, prefill
+        tokens saved, evictions;
         `prompt_tokens_by_tenant`: each tenant's prompt tokens served from cache and prefilled
         since start (by tenant id); `forks`: forks by the tier their cache came from."""
         usage = self._parts.tiers.usage()
@@ -547,6 +549,7 @@ class SessionManager:
             "tiers": {
                 t.value: {
                     "sessions": usage.sessions[t],
+                    "copies": usage.copies.get(t, 0),
                     "bytes": usage.bytes[t],
                     "budget_bytes": usage.budgets[t],
                     "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),

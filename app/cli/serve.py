@@ -44,7 +44,8 @@ def serve_command(
         ),
     ] = LogFormat.text,
 ) -> None:
-    """Serve the chat UI at /, the admin API under /admin/ and Prometheus metrics at /metrics.
+    """Serve the chat UI at /, the OpenAI-compatible API under /v1/ (chat completions, Responses,
+    sessions), the admin API under /admin/ and Prometheus metrics at /metrics.
 
     Runs until Ctrl-C or SIGTERM (exit code 0): turns in flight complete, caches are persisted so the
     next start resumes warm, and the home's lock is released.

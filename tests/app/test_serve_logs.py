@@ -1,6 +1,6 @@
 """`chatkv serve`'s logs: the start-up's steps as they happen, the access log, one line per turn and
 its preparation at debug, from a real server process (its stderr, in JSON); the text format of a
-turn's line, and refused log levels and formats."""
+turn's line, refused log levels and formats, and the faces `--help` names."""
 
 from __future__ import annotations
 
@@ -197,3 +197,12 @@ def test_serve_with_a_hub_id_offline_exits_2_with_one_line(tmp_path: Path) -> No
         " INFO sessions.startup: loading model HuggingFaceTB/SmolLM2-360M-Instruct on cpu as float32"
     )
     assert all(" INFO " in entry for entry in logged), logged
+
+
+def test_serve_help_names_every_face_it_serves_the_v1_api_included() -> None:
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert (
+        "Serve the chat UI at /, the OpenAI-compatible API under /v1/ (chat completions, Responses, sessions), "
+        "the admin API under /admin/ and Prometheus metrics at /metrics."
+    ) in result.stdout
