@@ -17,9 +17,11 @@ SERVE_STAMP := $(VENV)/.chatkv-serve
 DEV_STAMP := $(VENV)/.chatkv-dev
 # pip prints a warning for each local index folder that lacks a package (noise, filtered out); its
 # own lines ("Collecting ...", "Downloading ... (200.3 MB)", "Installing collected packages") are
-# the progress. Unbuffered, so they appear as they happen rather than in bursts through the filter.
+# the progress. Unbuffered, so they appear as they happen rather than in bursts through the filter:
+# pip by PYTHONUNBUFFERED, grep by --line-buffered (its output is a pipe under `make run | tee log`,
+# and a grep writing to a pipe otherwise holds its lines back in 4 KiB blocks).
 PIP := PYTHONUNBUFFERED=1 $(BIN)/python -m pip install --disable-pip-version-check
-QUIET_FILTER := { grep -v 'is ignored' || true; }
+QUIET_FILTER := { grep --line-buffered -v 'is ignored' || true; }
 STEP := @printf '\n==> %s\n'
 
 ifeq ($(TORCH),cpu)

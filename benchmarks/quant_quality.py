@@ -197,7 +197,14 @@ def main() -> None:
         with open_manager(root / "home", engine, args.model_cache_dir) as manager:
             tenant = manager.create_tenant("bench")
             sealers = {
-                p: EncryptedCacheSealer(manager.keys, engine.fingerprint, engine.device, p, residual)
+                p: EncryptedCacheSealer(
+                    manager.keys,
+                    engine.fingerprint,
+                    engine.device,
+                    p,
+                    residual,
+                    max_payload_bytes=manager.sealer.max_payload_bytes,
+                )
                 for p in PRECISIONS
             }
             for c in range(count):

@@ -36,6 +36,9 @@ class TierUsage:
     device_bytes_by_tenant: dict[TenantId, int] = field(default_factory=dict)
     reserved_device_bytes: int = 0
     """Device bytes reserved by running requests' working buffers (not part of `bytes`)."""
+    copies: dict[Tier, int] = field(default_factory=dict)
+    """Sessions placed in a higher tier whose copy this tier's store also holds (the write-back's
+    disk copies of device and host sessions): part of its `bytes`, not of its `sessions`."""
 
 
 def measure_usage(
@@ -46,14 +49,19 @@ def measure_usage(
     reserved_device_bytes: int,
 ) -> TierUsage:
     """The usage of every tier: device bytes are the sessions' own tensors plus the pool's base
-    layers (a tenant's share counts its own bases); host and disk bytes are what their stores hold."""
+    layers (a tenant's share counts its own bases); host and disk bytes are what their stores hold
+    (on disk: its sessions, the write-back's copies of sessions placed higher, counted in `copies`,
+    and shared base layers)."""
     sizes = {tier: 0 for tier in LOCAL_TIERS}
     counts = {tier: 0 for tier in LOCAL_TIERS}
     by_tenant: dict[TenantId, int] = {}
+    copies = {tier: 0 for tier in LOCAL_TIERS}
     for entry in entries:
         if entry.tier is not None:
             sizes[entry.tier] += entry.nbytes
             counts[entry.tier] += 1
+        if entry.tier in (Tier.DEVICE, Tier.HOST) and entry.persisted_version is not None:
+            copies[Tier.DISK] += 1
         if entry.tier is Tier.DEVICE:
             tenant = entry.key.tenant_id
             by_tenant[tenant] = by_tenant.get(tenant, 0) + entry.nbytes
@@ -67,4 +75,4 @@ def measure_usage(
         Tier.HOST: budgets.host_bytes,
         Tier.DISK: budgets.disk_bytes,
     }
-    return TierUsage(sizes, counts, limits, by_tenant, reserved_device_bytes)
+    return TierUsage(sizes, counts, limits, by_tenant, reserved_device_bytes, copies)

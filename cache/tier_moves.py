@@ -172,6 +172,7 @@ class TierMoves:
                 if cache.base_key is not None:
                     self._pool.release(cache.base_key)
                 entry.tier, entry.cache, entry.nbytes = Tier.DISK, None, disk.nbytes(entry.key)
+                log.debug("session %s: moved from device to disk (already written back)", entry.key.name)
                 self._events.moved(source, entry.tier, entry.nbytes)
                 return
             blob = None if drop else self.seal_or_none(entry.key, cache)
@@ -193,6 +194,13 @@ class TierMoves:
         elif source is Tier.DISK:
             self.release_entry(entry)
         if source is not None:
+            log.debug(
+                "session %s: moved from %s to %s (%d bytes)",
+                entry.key.name,
+                source,
+                entry.tier or "nowhere",
+                entry.nbytes,
+            )
             self._events.moved(source, entry.tier, entry.nbytes)
 
     def release_entry(self, entry: SessionEntry) -> None:

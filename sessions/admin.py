@@ -292,6 +292,7 @@ class AdminOps:
             "tiers": {
                 tier: {
                     "sessions": counts[tier],
+                    "copies": 0,  # no process holds a session above the disk
                     "bytes": used[tier],
                     "budget_bytes": budgets[tier],
                     "budget_used": used[tier] / max(1, budgets[tier]),

@@ -15,6 +15,7 @@ another (`SessionManager` is the thin front over them).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ from cache.session_cache import BaseLayer
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, Tier
 from cache.window_policy import WindowPolicy
+from sessions import startup_log
 from sessions.catalogue import SessionCatalogue
 from sessions.conversations import ConversationRecords
 from sessions.device_defaults import default_device_budget_bytes, probe_device, resolve_dtype
@@ -42,13 +44,13 @@ from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
 from sessions.model_cache import old_home_copy
 from sessions.model_source import load_model
-from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore
+from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore, max_payload_bytes
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
 from sessions.responses import ResponseRecords
 from sessions.retention import Retention
-from sessions.settings import Settings, TierConfig
+from sessions.settings import ModelConfig, Settings, TierConfig
 from sessions.settings.settings import total_memory_bytes
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
@@ -75,6 +77,9 @@ class ManagerParts:
     metadata: MetadataStore
     idempotency: IdempotentRequests
     engine: Engine
+    owns_engine: bool
+    """Whether `assemble` loaded the engine (closed with the parts) or was handed it (shared: it
+    outlives the manager)."""
     context_budget_tokens: int
     keys: TenantKeys
     metrics: Metrics
@@ -108,16 +113,19 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     """
     # One straight line in dependency order (the module docstring's picture), over 60 lines:
     # split further, the pieces would only hand the same dozen parts to each other.
+    started = time.perf_counter()
     model = settings.model_config()
     if model.threads:
         torch.set_num_threads(model.threads)
-    database = open_database(settings.resolved_database_url)
-    upgrade(settings.resolved_database_url, database)
+    with startup_log.step(
+        "database %s: bringing its schema up to date", startup_log.safe_url(settings.resolved_database_url)
+    ):
+        database = open_database(settings.resolved_database_url)
+        upgrade(settings.resolved_database_url, database)
     metadata = MetadataStore(database)
+    owns_engine = engine is None
     if engine is None:
-        device = resolve_device(model.device)
-        dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
-        engine = Engine(load_model(model.model, model.model_cache_dir, device, dtype))
+        engine = _load_engine(model)
     engine.loop.configure(settings.scheduler_config())
     old_copy = old_home_copy(settings.home, model.model_cache_dir)
     if old_copy is not None:
@@ -129,6 +137,8 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     window = settings.window_config()
     tier_config = _device_tier_config(settings, engine)
     budget = window.budget_tokens(engine.max_context_tokens)
+    startup_log.budgets(tier_config, settings.derived_budgets)
+    startup_log.window(window, budget, engine.max_context_tokens, engine.loop.config)
     keys = _tenant_keys(settings, metadata)
     replica_config = settings.replica_config()
     replicas = Replicas(
@@ -145,6 +155,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         lambda t, n: CacheKey(TenantId(t), n),  # session and base-layer blobs alike
         location=replicas.replica_id or "",
     )
+    startup_log.redis_tier(settings.redis_config())
     shared_store = open_shared_store(settings.redis_config(), metadata, engine.fingerprint)
     sealer = EncryptedCacheSealer(
         keys,
@@ -153,6 +164,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         tier_config.offload_precision,
         tier_config.quant_residual_tokens,
         windows=engine.layout.windows,
+        max_payload_bytes=max_payload_bytes(engine.max_context_tokens, engine.layout),
     )
     tiers = _tier_manager(tier_config, engine, sealer, disk_store, shared_store, metrics, replicas)
     remove_temp_files(settings.home)
@@ -190,6 +202,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
             live_within_s=replica_config.ownership_lease_s,
         ),
         engine=engine,
+        owns_engine=owns_engine,
         context_budget_tokens=budget,
         keys=keys,
         metrics=metrics,
@@ -218,7 +231,18 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
                 replica_config, ReplicaStore(database), replicas.replica_id, tiers, invalidate, queued_turns
             )
         )
+    startup_log.ready(started)
     return parts
+
+
+def _load_engine(model: ModelConfig) -> Engine:
+    """The engine of `model` (its device and dtype resolved for this machine), logged as it loads."""
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
+    loading = startup_log.model_loading(model.model, device, dtype)
+    engine = Engine(load_model(model.model, model.model_cache_dir, device, dtype))
+    startup_log.model_loaded(engine, loading)
+    return engine
 
 
 def _services(
@@ -358,14 +382,20 @@ def _idle(tiers: TierManager, key: CacheKey) -> Iterator[None]:
 def close_parts(parts: ManagerParts, lease_wait_s: float) -> None:
     """Stop a manager's parts once its turns were cancelled: wait up to `lease_wait_s` for them to
     let go of their sessions, hand sessions over (replicas), persist caches to disk (a restart
-    resumes warm), stop the write-back, close the database."""
-    if not parts.tiers.wait_for_leases(lease_wait_s):
-        log.warning("turns still hold sessions %.0f s after close(); their caches are not persisted", lease_wait_s)
-    parts.engine.loop.remove_observer(parts.metrics)
-    parts.replicas.close()  # publishes the sessions it holds, so others take them at once
-    parts.tiers.persist_all()
-    parts.tiers.close()
-    parts.database.dispose()
+    resumes warm), stop the write-back, close the database; last, even if one of those failed,
+    stop and join the engine loop if the manager loaded the engine (a shared one keeps serving
+    its other users)."""
+    try:
+        if not parts.tiers.wait_for_leases(lease_wait_s):
+            log.warning("turns still hold sessions %.0f s after close(); their caches are not persisted", lease_wait_s)
+        parts.engine.loop.remove_observer(parts.metrics)
+        parts.replicas.close()  # publishes the sessions it holds, so others take them at once
+        parts.tiers.persist_all()
+        parts.tiers.close()
+        parts.database.dispose()
+    finally:
+        if parts.owns_engine:
+            parts.engine.close()
 
 
 def resolve_device(device: str) -> str:
@@ -409,6 +439,8 @@ def _device_tier_config(settings: Settings, engine: Engine) -> TierConfig:
 def _tenant_keys(settings: Settings, metadata: MetadataStore) -> TenantKeys:
     in_use = {t.master_key_id for t in metadata.list_tenants() if t.master_key_id}
     keys = TenantKeys(metadata, load_master_key(settings.home, settings.master_key, in_use))
+    where = "CHATKV_MASTER_KEY" if keys.master.from_env else str(settings.home / "master.key")
+    startup_log.log.debug("master key id %s from %s; %d tenants' data keys wrapped", keys.master.id, where, len(in_use))
     if in_use and keys.master.id not in in_use:
         log.error(
             "the master key (id %s) did not wrap any tenant's data key (ids %s): stored caches cannot "
@@ -451,7 +483,9 @@ def _tier_manager(
         shared=shared_store,
         may_publish=replicas.may_publish,
     )
-    tiers.adopt_disk_blobs(disk_store.reconcile())
+    found = disk_store.reconcile()
+    startup_log.disk_blobs(len(found), disk_store.root)
+    tiers.adopt_disk_blobs(found)
     if disk_store.damaged_at_start:
         metrics.integrity_failures.labels(Tier.DISK.value).inc(disk_store.damaged_at_start)
     return tiers

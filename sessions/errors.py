@@ -119,14 +119,37 @@ class ReplicaNotFound(ChatKVError):
 class ContextTooLong(ChatKVError):
     """The new message (plus `max_new_tokens`) cannot fit in the model's context, even after the
     context window has demoted every unpinned turn; or a system prompt leaves no room for a turn.
-    Nothing is stored. `what` names the culprit in the message (`message`, `system prompt`)."""
+    Nothing is stored. `what` names the culprit in the message (`message`, `system prompt`).
+
+    With `reply_tokens` (the turn's `max_new_tokens`, part of `needed_tokens`), the message splits
+    the need as vLLM's does, prompt tokens (system prompt, pinned turns, the new message) plus the
+    reply's, and says which part to cut: max tokens when the prompt alone fits (and
+    to how many), else the message.
+    """
 
     http_status = 413
 
-    def __init__(self, needed_tokens: int, limit_tokens: int, what: str = "message") -> None:
+    def __init__(self, needed_tokens: int, limit_tokens: int, what: str = "message", reply_tokens: int = 0) -> None:
         self.needed_tokens = needed_tokens
         self.limit_tokens = limit_tokens
-        super().__init__(f"{what} too long: needs {needed_tokens} tokens of context, the limit is {limit_tokens}")
+        self.reply_tokens = reply_tokens
+        super().__init__(self._describe(what))
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of context the turn needs before its reply."""
+        return self.needed_tokens - self.reply_tokens
+
+    def _describe(self, what: str) -> str:
+        if not self.reply_tokens:
+            return f"{what} too long: needs {self.needed_tokens} tokens of context, the limit is {self.limit_tokens}"
+        split = (
+            f"{what} too long: the turn needs {self.needed_tokens} tokens of context ({self.prompt_tokens} in the "
+            f"prompt, up to {self.reply_tokens} in the reply), the limit is {self.limit_tokens}"
+        )
+        if self.prompt_tokens < self.limit_tokens:
+            return f"{split}: lower max tokens to {self.limit_tokens - self.prompt_tokens} or less"
+        return f"{split}: the prompt alone is over it, shorten the {what}"
 
 
 class HistoryTooLong(ChatKVError):

@@ -68,8 +68,10 @@ class SessionManager:
 
     Args:
         settings: configuration; default `Settings()` (every field from `CHATKV_<FIELD>` when set).
-        engine: an already loaded `Engine` to share (tests and benchmarks load the model once);
-            default loads `settings.model`.
+        engine: an already loaded `Engine` to share (tests and benchmarks load the model once):
+            it outlives this manager and keeps serving others; default loads `settings.model`,
+            and `close()` then stops the engine loop (its thread joined, the model released with
+            the manager).
 
     Raises:
         ModelUnavailable: if the model cannot be loaded.
@@ -122,7 +124,8 @@ class SessionManager:
     def close(self) -> None:
         """Cancel turns in flight (they raise `ManagerClosed` and store nothing) and wait for them
         to let go of their sessions, persist caches to disk (a restart resumes warm), stop the
-        write-back, close the database, release the home. Later calls that start work raise
+        write-back, close the database, stop the engine loop if this manager loaded the engine
+        (not one handed in), release the home. Later calls that start work raise
         `ManagerClosed`. A server waits for its turns to finish before it closes the manager."""
         if self._closed:
             return
@@ -526,7 +529,9 @@ class SessionManager:
         self._parts.replicas.set_url(url)
 
     def stats(self) -> dict[str, Any]:
-        """Sessions and bytes per tier, budgets, cache hit rate, prefill tokens saved, evictions;
+        """Sessions and bytes per tier (`copies`: sessions placed higher whose copy the tier also
+        holds, the write-back's disk copies; their bytes count), budgets, cache hit rate, prefill
+        tokens saved, evictions;
         `prompt_tokens_by_tenant`: each tenant's prompt tokens served from cache and prefilled
         since start (by tenant id); `forks`: forks by the tier their cache came from."""
         usage = self._parts.tiers.usage()
@@ -546,6 +551,7 @@ class SessionManager:
             "tiers": {
                 t.value: {
                     "sessions": usage.sessions[t],
+                    "copies": usage.copies.get(t, 0),
                     "bytes": usage.bytes[t],
                     "budget_bytes": usage.budgets[t],
                     "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),

@@ -8,7 +8,10 @@ key (`storage.chunked_blobs`: each chunk's associated data binds tenant, name, m
 and format version, and the blob's id, the chunk's index and the chunk count), for every tier:
 the disk and host stores keep the frame whole, the Redis store one value per chunk, and a blob
 moves between them (a write-back's disk blob published to Redis) without being sealed again.
-Opening decrypts each chunk into one payload buffer as it arrives (from Redis: while the next
+Opening authenticates the blob's header first and bounds its sizes by what a cache of this model
+can hold (`max_payload_bytes`), so a forged header (a Redis manifest claiming billions of chunks)
+is rejected before a chunk is asked for or a buffer allocated; then it decrypts each chunk into
+one payload buffer as it arrives (from Redis: while the next
 chunks are read) and decodes the tensors in place. Blobs sealed whole before chunking
 (`storage.keyring.seal`, one AES-GCM over the payload) still open. Any failure to authenticate
 or decode becomes `BlobRejected` and the turn rebuilds the cache from the transcript. A tenant
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import closing
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +47,31 @@ from storage.chunked_blobs import CHUNK_BYTES, is_chunked, open_chunked, seal_ch
 from storage.keyring import AuthenticationFailed, KeyRingError, TenantKeys, blob_aad, open_sealed
 from storage.redis_store import RedisBlobStore, RedisUnavailable
 
+if TYPE_CHECKING:
+    from sessions.engine import KVLayout
+
+HEADER_ALLOWANCE_BYTES = 1 << 20
+"""Payload bytes a cache's header may take beyond its per-token share (names, digests, options)."""
+HEADER_BYTES_PER_TOKEN = 256
+"""Header bytes a cached token may take: its id in the JSON token lists, its share of the layer table."""
+
+
+def max_payload_bytes(context_tokens: int, layout: KVLayout) -> int:
+    """The most payload bytes a sealed session cache or base layer of a model can be: twice what
+    `context_tokens` tokens take (keys and values of every model layer in the model's dtype, the
+    int32 stream index an eviction keeps per KV head, and their header share), plus
+    `HEADER_ALLOWANCE_BYTES`. A cache never holds more than the context; quantised ones are
+    smaller. A blob whose header claims more is rejected before anything is allocated for it.
+
+    Raises:
+        ValueError: `context_tokens` is not positive.
+    """
+    if context_tokens <= 0:
+        raise ValueError(f"context_tokens must be positive, got {context_tokens}")
+    index_bytes = 4 * layout.num_model_layers * layout.kv_heads
+    per_token = layout.bytes_per_token + index_bytes + HEADER_BYTES_PER_TOKEN
+    return 2 * context_tokens * per_token + HEADER_ALLOWANCE_BYTES
+
 
 class EncryptedCacheSealer:
     """`CacheSealer` with AES-256-GCM under each tenant's data key.
@@ -57,6 +86,8 @@ class EncryptedCacheSealer:
             set a small one to get many chunks from small caches).
         windows: the model's sliding window per model layer (`None`: full attention); a blob
             written for other windows is rejected (`cache.serialization`).
+        max_payload_bytes: the most payload bytes a blob may claim (`max_payload_bytes()` of
+            the model); a blob claiming more is rejected unopened.
     """
 
     def __init__(
@@ -67,6 +98,8 @@ class EncryptedCacheSealer:
         precision: str = "exact",
         residual_tokens: int = 0,
         chunk_bytes: int = CHUNK_BYTES,
+        *,
+        max_payload_bytes: int,
         windows: tuple[int | None, ...] = (),
     ) -> None:
         self._keys = keys
@@ -76,6 +109,7 @@ class EncryptedCacheSealer:
         self._precision = precision
         self._residual = residual_tokens
         self.chunk_bytes = chunk_bytes
+        self.max_payload_bytes = max_payload_bytes
 
     def _aad(self, key: CacheKey, version: int = FORMAT_VERSION) -> bytes:
         return blob_aad(key.tenant_id, key.name, self._fingerprint, version)
@@ -109,12 +143,13 @@ class EncryptedCacheSealer:
             if not is_chunked(blob):
                 return self._open_whole(key, data_key, blob)
             frame_head, chunks = split_frame(blob)
-            return open_chunked(data_key, frame_head, chunks, self._aads(key))
+            return open_chunked(data_key, frame_head, chunks, self._aads(key), max_payload_bytes=self.max_payload_bytes)
         with closing(blob):
             head = next(blob, b"")
             if not is_chunked(head):  # a value written before chunking comes as one piece
                 return self._open_whole(key, data_key, head)
-            return open_chunked(data_key, head, blob, self._aads(key))
+            # `blob` is asked for its first chunk only once the header authenticated.
+            return open_chunked(data_key, head, blob, self._aads(key), max_payload_bytes=self.max_payload_bytes)
 
     def _open_whole(self, key: CacheKey, data_key: bytes, blob: bytes) -> bytes:
         """A blob sealed whole, under the current format's associated data or an older readable

@@ -3,7 +3,11 @@ can open each chunk as it arrives (the Redis tier stores one value per chunk and
 pipelined) and a chunk out of place is caught on its own.
 
     frame = header | chunk 0 | chunk 1 | ... | chunk n-1
-    header (37 bytes) = "CKVC1" | blob id (16 random bytes) | n (u32) | chunk bytes (u32) | payload bytes (u64)
+    header (53 bytes) = "CKVC2" | blob id (16 random bytes) | n (u32) | chunk bytes (u32) | payload bytes (u64)
+                        | header tag (16 bytes)
+    header tag = AES-256-GCM(blob key, nonce = 12 bytes of 0xff, plaintext = "",
+                             associated data = the blob's associated data | blob id | n | chunk bytes
+                                               | payload bytes | "header")
     chunk i = AES-256-GCM(blob key, nonce = i as 12 bytes, plaintext = payload[i*chunk : (i+1)*chunk],
                           associated data = the blob's associated data | blob id | i | n | chunk bytes | payload bytes)
     blob key = HKDF-SHA256(tenant data key, salt = blob id, info = "chatkv-chunked-blob")
@@ -14,20 +18,24 @@ write draws a new blob id, hence a new blob key, so a chunk of another blob (ano
 another write of the same session) does not authenticate; the index, count and sizes in the
 associated data reject a swapped, reordered, dropped or extra chunk; the blob's associated data
 (tenant, name, model fingerprint, format version: `storage.keyring.blob_aad`) rejects a blob moved
-to another name. Counter nonces are unique because each blob key seals one blob only; so a
-tenant's data key no longer spends one random nonce per chunk.
+to another name. Counter nonces are unique because each blob key seals one blob only (the header
+tag's all-ones nonce is no chunk's: the count is a u32); so a tenant's data key no longer spends
+one random nonce per chunk.
 
-The header is not secret and is not checked on its own: the first chunk authenticates it (a header
-that lies about the blob id, the count or the sizes makes every chunk fail), and nothing larger
-than one chunk is allocated before that.
+The header is authenticated on its own, before any chunk is read: a reader checks that its sizes
+fit what a cache can hold (`max_payload_bytes`, a bound from the model) and that its tag
+authenticates, and only then asks for chunks or allocates the payload. A forged header (a Redis
+manifest claiming four billion one-byte chunks) costs one HKDF and one empty AES-GCM, never a
+list of keys or a buffer. Frames of the version before header tags (`CKVC1`) do not open: the
+cache is rebuilt from its transcript, as for any blob that does not authenticate.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -36,7 +44,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from storage.keyring import KEY_BYTES, NONCE_BYTES, AuthenticationFailed
 
-CHUNKED_MAGIC = b"CKVC1"
+CHUNKED_MAGIC = b"CKVC2"
+_MAGIC_FAMILY = b"CKVC"
+"""Every chunked frame's magic starts so (`CKVC1`: before header tags, no longer opened)."""
 CHUNK_BYTES = 2 * 1024 * 1024
 """Plaintext bytes per chunk. Streamed from Redis, 1, 2 and 4 MiB chunks restored 2-4x faster than
 one GET of the whole value, within noise of each other, 2 MiB best or close at every size
@@ -45,34 +55,39 @@ one GET of the whole value, within noise of each other, 2 MiB best or close at e
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 TAG_BYTES = 16
 BLOB_ID_BYTES = 16
-_HEADER = struct.Struct(f"<{len(CHUNKED_MAGIC)}s{BLOB_ID_BYTES}sIIQ")
+_HEADER = struct.Struct(f"<{len(CHUNKED_MAGIC)}s{BLOB_ID_BYTES}sIIQ{TAG_BYTES}s")
 HEADER_BYTES = _HEADER.size
+_HEADER_NONCE = b"\xff" * NONCE_BYTES
 _KDF_INFO = b"chatkv-chunked-blob"
 
 
 def is_chunked(blob: bytes | memoryview) -> bool:
-    """Whether `blob` starts like a chunked frame (else it is a whole blob of `storage.keyring.seal`,
-    written before chunking, or not a sealed blob at all)."""
-    return bytes(blob[: len(CHUNKED_MAGIC)]) == CHUNKED_MAGIC
+    """Whether `blob` starts like a chunked frame of any version (else it is a whole blob of
+    `storage.keyring.seal`, written before chunking, or not a sealed blob at all)."""
+    return bytes(blob[: len(_MAGIC_FAMILY)]) == _MAGIC_FAMILY
 
 
 @dataclass(frozen=True)
 class ChunkedHeader:
-    """What a frame's header says: blob id, chunk count, plaintext bytes per chunk, payload bytes.
+    """What a frame's header says: blob id, chunk count, plaintext bytes per chunk, payload bytes,
+    and the tag that authenticates them (`signed`, `authenticate`).
 
     Raises:
         ValueError: sizes that no frame has (count 0, a chunk size out of 1..MAX_CHUNK_BYTES, a
-            payload that does not fill `chunk_count` chunks, a blob id of the wrong length).
+            payload that does not fill `chunk_count` chunks, a blob id or tag of the wrong length).
     """
 
     blob_id: bytes
     chunk_count: int
     chunk_bytes: int
     payload_bytes: int
+    tag: bytes = bytes(TAG_BYTES)
 
     def __post_init__(self) -> None:
         if len(self.blob_id) != BLOB_ID_BYTES:
             raise ValueError(f"a blob id is {BLOB_ID_BYTES} bytes, got {len(self.blob_id)}")
+        if len(self.tag) != TAG_BYTES:
+            raise ValueError(f"a header tag is {TAG_BYTES} bytes, got {len(self.tag)}")
         if not 0 < self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {self.chunk_bytes}")
         if self.chunk_count != max(1, -(-self.payload_bytes // self.chunk_bytes)):
@@ -82,23 +97,33 @@ class ChunkedHeader:
 
     @classmethod
     def new(cls, payload_bytes: int, chunk_bytes: int) -> ChunkedHeader:
-        """The header of a new write: a random blob id."""
+        """The header of a new write: a random blob id (not signed yet)."""
         count = max(1, -(-payload_bytes // chunk_bytes)) if chunk_bytes > 0 else 0
         return cls(os.urandom(BLOB_ID_BYTES), count, chunk_bytes, payload_bytes)
 
     @classmethod
     def parse(cls, data: bytes | memoryview) -> ChunkedHeader:
-        """The header at the start of `data`. Raises `AuthenticationFailed` if it is none."""
-        if len(data) < HEADER_BYTES or not is_chunked(data):
+        """The header at the start of `data` (not authenticated: see `authenticate`).
+
+        Raises:
+            AuthenticationFailed: no header of this version (bad magic, a `CKVC1` frame written
+                before header tags, truncated) or sizes that no frame has.
+        """
+        if len(data) < HEADER_BYTES or bytes(data[: len(CHUNKED_MAGIC)]) != CHUNKED_MAGIC:
+            found = bytes(data[: len(CHUNKED_MAGIC)])
+            if is_chunked(data) and found != CHUNKED_MAGIC:
+                raise AuthenticationFailed(f"a chunked blob of frame version {found!r}, before header tags")
             raise AuthenticationFailed("not a chunked chatkv blob (bad magic or truncated header)")
-        _, blob_id, count, chunk_bytes, payload_bytes = _HEADER.unpack_from(data)
+        _, blob_id, count, chunk_bytes, payload_bytes, tag = _HEADER.unpack_from(data)
         try:
-            return cls(blob_id, count, chunk_bytes, payload_bytes)
+            return cls(blob_id, count, chunk_bytes, payload_bytes, tag)
         except ValueError as exc:
             raise AuthenticationFailed(f"a chunked blob header that no blob has: {exc}") from exc
 
     def to_bytes(self) -> bytes:
-        return _HEADER.pack(CHUNKED_MAGIC, self.blob_id, self.chunk_count, self.chunk_bytes, self.payload_bytes)
+        return _HEADER.pack(
+            CHUNKED_MAGIC, self.blob_id, self.chunk_count, self.chunk_bytes, self.payload_bytes, self.tag
+        )
 
     def plain_bytes(self, index: int) -> int:
         """Plaintext bytes of chunk `index`."""
@@ -112,6 +137,15 @@ class ChunkedHeader:
     def frame_bytes(self) -> int:
         """Bytes of the whole frame: header and every sealed chunk."""
         return HEADER_BYTES + self.payload_bytes + self.chunk_count * TAG_BYTES
+
+    def _sizes_aad(self, blob_aad: bytes) -> bytes:
+        return (
+            blob_aad
+            + (
+                f"|blob={self.blob_id.hex()}|chunks={self.chunk_count}"
+                f"|chunk_bytes={self.chunk_bytes}|payload_bytes={self.payload_bytes}|header"
+            ).encode()
+        )
 
     def chunk_aad(self, blob_aad: bytes, index: int) -> bytes:
         """Associated data of chunk `index`: the blob's, then everything the header says, then the index."""
@@ -128,6 +162,25 @@ class ChunkedHeader:
         kdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=self.blob_id, info=_KDF_INFO)
         return AESGCM(kdf.derive(data_key))
 
+    def signed(self, cipher: AESGCM, blob_aad: bytes) -> ChunkedHeader:
+        """This header with the tag that binds its sizes and blob id to `blob_aad` under `cipher`."""
+        return replace(self, tag=cipher.encrypt(_HEADER_NONCE, b"", self._sizes_aad(blob_aad)))
+
+    def authenticate(self, cipher: AESGCM, blob_aads: Sequence[bytes]) -> bytes:
+        """The first of `blob_aads` this header's tag authenticates under (`cipher`: its blob key).
+
+        Raises:
+            AuthenticationFailed: under none of them (forged, another tenant's key, moved to
+                another name, another model or format).
+        """
+        for blob_aad in blob_aads:
+            try:
+                cipher.decrypt(_HEADER_NONCE, self.tag, self._sizes_aad(blob_aad))
+            except InvalidTag:
+                continue
+            return blob_aad
+        raise AuthenticationFailed(f"the header of a chunked blob of {self.chunk_count} chunks does not authenticate")
+
 
 def _nonce(index: int) -> bytes:
     return index.to_bytes(NONCE_BYTES, "big")
@@ -141,6 +194,7 @@ def seal_chunked(data_key: bytes, payload: bytes, blob_aad: bytes, chunk_bytes: 
     """
     header = ChunkedHeader.new(len(payload), chunk_bytes)
     cipher, view = header.cipher(data_key), memoryview(payload)
+    header = header.signed(cipher, blob_aad)
     pieces = [header.to_bytes()]
     for index in range(header.chunk_count):
         start = index * chunk_bytes
@@ -166,33 +220,52 @@ def split_frame(frame: bytes | memoryview) -> tuple[memoryview, list[memoryview]
     return view[:HEADER_BYTES], chunks
 
 
+def open_header(
+    data_key: bytes, head: bytes | memoryview, blob_aads: Sequence[bytes], *, max_payload_bytes: int
+) -> tuple[ChunkedHeader, AESGCM, bytes]:
+    """The header of a chunked blob once it is known to be genuine: its sizes within
+    `max_payload_bytes` (what a cache can hold), its tag authenticated. Returns the header, its
+    blob's cipher and the blob associated data it authenticated under. Allocates nothing that
+    depends on the header's sizes, so a forged one costs the same as a genuine one.
+
+    Raises:
+        AuthenticationFailed: a header that does not parse, claims more than `max_payload_bytes`,
+            or does not authenticate under `data_key` and any of `blob_aads`.
+    """
+    header = ChunkedHeader.parse(head)
+    if header.payload_bytes > max_payload_bytes:
+        raise AuthenticationFailed(
+            f"a chunked blob header claims {header.payload_bytes} payload bytes in {header.chunk_count} chunks, "
+            f"more than a cache of this model holds ({max_payload_bytes} bytes)"
+        )
+    cipher = header.cipher(data_key)
+    return header, cipher, header.authenticate(cipher, blob_aads)
+
+
 def open_chunked(
-    data_key: bytes, head: bytes | memoryview, chunks: Iterable[bytes | memoryview], blob_aads: Sequence[bytes]
+    data_key: bytes,
+    head: bytes | memoryview,
+    chunks: Iterable[bytes | memoryview],
+    blob_aads: Sequence[bytes],
+    *,
+    max_payload_bytes: int,
 ) -> bytearray:
     """The payload of a chunked blob, each chunk decrypted into place as it comes from `chunks`
     (so a reader fetching the next chunks overlaps with this).
 
-    `head` is the frame's header, `chunks` its sealed chunks in order; `blob_aads` the associated
-    data the blob may be bound to, the current format's first (the first chunk that authenticates
-    under one decides it for the others).
+    `head` is the frame's header, `chunks` its sealed chunks in order (not asked for before the
+    header authenticated: `open_header`); `blob_aads` the associated data the blob may be bound
+    to, the current format's first; `max_payload_bytes` the most a cache can hold.
 
     Raises:
-        AuthenticationFailed: a header that does not parse; a chunk that does not authenticate
-            (tampered, of another blob or another write, out of its place, bound to another
-            tenant, name, model or format); fewer or more chunks than the header says.
+        AuthenticationFailed: a header that does not parse, claims too much or does not
+            authenticate; a chunk that does not authenticate (tampered, of another blob or
+            another write, out of its place); fewer or more chunks than the header says.
     """
-    header = ChunkedHeader.parse(head)
-    cipher = header.cipher(data_key)
-    pieces: Iterator[bytes | memoryview] = iter(chunks)
-    first = next(pieces, None)
-    if first is None:
-        raise AuthenticationFailed(f"a chunked blob without its chunks ({header.chunk_count} expected)")
-    plain, blob_aad = _open_first(header, cipher, first, blob_aads)
-    # Allocated once the first chunk vouched for the header's sizes.
+    header, cipher, blob_aad = open_header(data_key, head, blob_aads, max_payload_bytes=max_payload_bytes)
     payload = bytearray(header.payload_bytes)
-    payload[: len(plain)] = plain
-    view, index = memoryview(payload), 0
-    for index, sealed in enumerate(pieces, start=1):
+    view, count = memoryview(payload), 0
+    for index, sealed in enumerate(chunks):
         if index >= header.chunk_count:
             raise AuthenticationFailed(f"more chunks than the {header.chunk_count} its header says")
         if len(sealed) != header.sealed_bytes(index):
@@ -209,20 +282,9 @@ def open_chunked(
             )
         except InvalidTag as exc:
             raise AuthenticationFailed(f"chunk {index} of {header.chunk_count} does not authenticate") from exc
-    if index + 1 != header.chunk_count:
-        raise AuthenticationFailed(f"{index + 1} chunks of the {header.chunk_count} its header says")
+        count = index + 1
+    if count == 0:
+        raise AuthenticationFailed(f"a chunked blob without its chunks ({header.chunk_count} expected)")
+    if count != header.chunk_count:
+        raise AuthenticationFailed(f"{count} chunks of the {header.chunk_count} its header says")
     return payload
-
-
-def _open_first(
-    header: ChunkedHeader, cipher: AESGCM, sealed: bytes | memoryview, blob_aads: Sequence[bytes]
-) -> tuple[bytes, bytes]:
-    """Chunk 0's plaintext and the blob associated data it authenticates under."""
-    if len(sealed) != header.sealed_bytes(0):
-        raise AuthenticationFailed(f"chunk 0 is {len(sealed)} bytes, its header says {header.sealed_bytes(0)}")
-    for blob_aad in blob_aads:
-        try:
-            return cipher.decrypt(_nonce(0), sealed, header.chunk_aad(blob_aad, 0)), blob_aad
-        except InvalidTag:
-            continue
-    raise AuthenticationFailed(f"chunk 0 of {header.chunk_count} does not authenticate")

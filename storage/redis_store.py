@@ -3,7 +3,7 @@
 A chunked blob (`storage.chunked_blobs`: a header and independently sealed chunks of about 2 MiB)
 is stored as one Redis string per chunk plus its header as the blob's **manifest**:
 
-    <prefix>:<fingerprint[:16]>:<tenant id>:{<name>}                      the manifest (header, 37 bytes)
+    <prefix>:<fingerprint[:16]>:<tenant id>:{<name>}                      the manifest (header, 53 bytes)
     <prefix>:<fingerprint[:16]>:<tenant id>:{<name>}:<blob id hex>:<i>    chunk i
 
 namespaced by model and tenant, with the session (or base layer) name as the Redis Cluster hash
@@ -14,9 +14,13 @@ the old manifest that GET returns names the previous write's chunks, deleted nex
 draws a new blob id, so it never overwrites chunks a reader may be reading). A read GETs the
 manifest, then its chunks over one connection with `READ_WINDOW` GETs in flight, handing each
 chunk to the caller as it arrives (`read`), so the chunk before is decrypted while Redis sends
-the next. A missing chunk reads as a missing blob. Any other value (a whole blob sealed before
-chunking, or bytes of a test) is one string under the manifest's key, as before. `SET … GET` and
-`GETDEL` need Redis 6.2 or later.
+the next. A missing chunk reads as a missing blob. The store holds no data key, so it never
+trusts a manifest's chunk count: chunk keys are made one at a time as they are read or deleted,
+a reader authenticates the header before it asks for the first chunk
+(`storage.chunked_blobs.open_header`), and a deletion stops at a batch of keys of which none
+exists. A forged manifest claiming billions of chunks costs nothing more. Any other value (a
+whole blob sealed before chunking, or bytes of a test) is one string under the manifest's key,
+as before. `SET … GET` and `GETDEL` need Redis 6.2 or later.
 
 The `cache_blobs` rows at location `"redis"` say what is where (rows written by every replica
 sharing the database; `nbytes` counts every chunk); a TTL on every key, and an optional byte
@@ -38,8 +42,9 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Set
 from contextlib import closing, contextmanager
+from itertools import islice
 from typing import Generic, cast
 
 import redis
@@ -72,15 +77,26 @@ def chunk_key(manifest_key: str, blob_id: bytes, index: int) -> str:
     return f"{manifest_key}:{blob_id.hex()}:{index}"
 
 
-def _chunk_keys(manifest_key: str, manifest: bytes | None) -> list[str]:
-    """Keys of the chunks a manifest names; none for an absent value or a whole blob."""
+def _manifest_header(manifest: bytes | None) -> ChunkedHeader | None:
+    """The header a manifest holds; `None` for an absent value, a whole blob, or a header this
+    store did not write (a frame version before header tags, or sizes no frame has)."""
     if manifest is None or not is_chunked(manifest):
-        return []
+        return None
     try:
-        header = ChunkedHeader.parse(manifest)
+        return ChunkedHeader.parse(manifest)
     except AuthenticationFailed:
-        return []  # not a header this store wrote: it names no chunks
-    return [chunk_key(manifest_key, header.blob_id, i) for i in range(header.chunk_count)]
+        return None
+
+
+def _chunk_keys(manifest_key: str, manifest: bytes | None) -> Iterator[str]:
+    """Keys of the chunks a manifest names, made one at a time as they are asked for: the store
+    cannot authenticate a manifest (it holds no data key), so a forged one naming four billion
+    chunks must cost no more than the keys actually taken."""
+    header = _manifest_header(manifest)
+    if header is None:
+        return
+    for index in range(header.chunk_count):
+        yield chunk_key(manifest_key, header.blob_id, index)
 
 
 class RedisUnavailable(StorageError):
@@ -250,7 +266,7 @@ class RedisBlobStore(Generic[K]):
         # The same blob may be stored twice (a disk blob published by the write-back, then by a
         # hand-over): its own chunks, just written again, stay.
         written = {name for name, _ in chunks}
-        self._delete_keys([k for k in _chunk_keys(redis_key, replaced) if k not in written])
+        self._delete_chunks(redis_key, replaced, keep=written)
         recorded = self._metadata.put_blob(
             tenant_id=key.tenant_id,
             session_id=None if key.name.startswith("base-") else key.name,
@@ -303,12 +319,15 @@ class RedisBlobStore(Generic[K]):
         if manifest is None:
             self._drop_row(row, "is gone (TTL, eviction or flush)")
             raise BlobNotFound(key.tenant_id, key.name)
+        # A consumer that authenticates the manifest first (`open_chunked`) closes this generator
+        # here for a forged one: no chunk key is made or read.
         yield manifest
-        keys = _chunk_keys(redis_key, manifest)
-        with closing(self._read_values(redis_key, keys)) as values:
+        header = _manifest_header(manifest)
+        count = header.chunk_count if header is not None else 0
+        with closing(self._read_values(redis_key, _chunk_keys(redis_key, manifest), count)) as values:
             for index, value in enumerate(values):
                 if value is None:
-                    self._drop_row(row, f"lost chunk {index} of {len(keys)}")
+                    self._drop_row(row, f"lost chunk {index} of {count}")
                     raise BlobNotFound(key.tenant_id, key.name)
                 yield value
 
@@ -317,28 +336,27 @@ class RedisBlobStore(Generic[K]):
         # Only the row read before: a writer may have stored the blob again since.
         self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION, checksum=row.checksum)
 
-    def _read_values(self, slot_key: str, keys: list[str]) -> Generator[bytes | None, None, None]:
-        """GET each of `keys` (all in `slot_key`'s slot) on one connection, `READ_WINDOW` in flight,
-        yielding each value as it arrives. redis-py's pipelines send every command and then read
-        every reply before returning any; this hands over each reply as soon as it is read, and
-        Redis sends the next ones meanwhile."""
-        if not keys:
+    def _read_values(self, slot_key: str, keys: Iterator[str], count: int) -> Generator[bytes | None, None, None]:
+        """GET the `count` keys of `keys` (all in `slot_key`'s slot, taken one at a time) on one
+        connection, `READ_WINDOW` in flight, yielding each value as it arrives. redis-py's
+        pipelines send every command and then read every reply before returning any; this hands
+        over each reply as soon as it is read, and Redis sends the next ones meanwhile."""
+        if not count:
             return
         client = self._client
         if isinstance(client, RedisCluster):
             client = cast(redis.Redis, client.get_node_from_key(slot_key).redis_connection)
         pool = client.connection_pool
-        with self._redis(f"read {len(keys)} chunks of {slot_key}"):
+        with self._redis(f"read {count} chunks of {slot_key}"):
             connection = pool.get_connection()
             done = False
             try:
-                sent = min(READ_WINDOW, len(keys))
-                connection.send_packed_command(connection.pack_commands([("GET", k) for k in keys[:sent]]))
-                for _ in keys:
+                first = [("GET", next(keys)) for _ in range(min(READ_WINDOW, count))]
+                connection.send_packed_command(connection.pack_commands(first))
+                for sent in range(len(first), count + len(first)):
                     value = cast(bytes | None, connection.read_response())
-                    if sent < len(keys):
-                        connection.send_packed_command(connection.pack_commands([("GET", keys[sent])]))
-                        sent += 1
+                    if sent < count:
+                        connection.send_packed_command(connection.pack_commands([("GET", next(keys))]))
                     yield value
                 done = True
             finally:
@@ -470,9 +488,22 @@ class RedisBlobStore(Generic[K]):
                 removed = cast(list[bytes | None], pipe.execute())
         except RedisUnavailable:
             return  # already logged; the values expire with their TTL
-        self._delete_keys(
-            [k for key, value in zip(manifest_keys, removed, strict=True) for k in _chunk_keys(key, value)]
-        )
+        for key, value in zip(manifest_keys, removed, strict=True):
+            self._delete_chunks(key, value)
+
+    def _delete_chunks(self, manifest_key: str, manifest: bytes | None, keep: Set[str] = frozenset()) -> None:
+        """DEL the chunks `manifest` names (but those in `keep`), `_DELETE_BATCH` at a time, until
+        a batch finds none of its keys: a manifest's chunks were written together, so the rest
+        are gone too (expired, evicted) or never existed (a forged manifest, whose claimed count
+        then costs one batch, not billions of keys). Redis down: left to their TTL."""
+        keys = (k for k in _chunk_keys(manifest_key, manifest) if k not in keep)
+        try:
+            while batch := list(islice(keys, _DELETE_BATCH)):
+                with self._redis(f"delete {len(batch)} chunks of {manifest_key}"):
+                    if not self._client.delete(*batch):
+                        return
+        except RedisUnavailable:
+            pass  # already logged; the values expire with their TTL
 
     def _delete_keys(self, redis_keys: list[str]) -> None:
         """DEL the keys; if Redis is down, log it and leave them to their TTL."""

@@ -16,10 +16,15 @@ if TYPE_CHECKING:
 
 def _render_stats(stats: Json) -> None:
     rows = [
-        (tier, t["sessions"], t["bytes"], t["budget_bytes"], f"{t['budget_used']:.1%}")
+        (tier, t["sessions"], t.get("copies", 0), t["bytes"], t["budget_bytes"], f"{t['budget_used']:.1%}")
         for tier, t in stats["tiers"].items()
     ]
-    print_table(("tier", "sessions", "bytes", "budget", "used"), rows)
+    print_table(("tier", "sessions", "+ copies", "bytes", "budget", "used"), rows)
+    # Without this, disk bytes beside 0 sessions read like a leak: they are the write-back's copies.
+    typer.echo(
+        "sessions: placed in the tier; + copies: write-back copies of sessions placed higher; "
+        "bytes: both, and base layers"
+    )
     if not stats.get("live", True):  # offline: tiers as stored, no turn counters
         print_pairs([("tenants", stats["tenants"]), ("sessions", stats["sessions"]), ("model", stats["model"])])
         typer.echo(f"note: {stats['note']}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import typer
@@ -10,6 +11,8 @@ from app.cli.groups import CLIError, held_by_server
 from app.cli.home import domain_errors, home_dir, load_manager, settings_for
 from app.cli.logs import LogFormat, LogLevel, configure_logging
 from sessions import HomeLockedError, check_unlocked
+
+log = logging.getLogger(__name__)
 
 
 def serve_command(
@@ -41,7 +44,8 @@ def serve_command(
         ),
     ] = LogFormat.text,
 ) -> None:
-    """Serve the chat UI at /, the admin API under /admin/ and Prometheus metrics at /metrics.
+    """Serve the chat UI at /, the OpenAI-compatible API under /v1/ (chat completions, Responses,
+    sessions), the admin API under /admin/ and Prometheus metrics at /metrics.
 
     Runs until Ctrl-C or SIGTERM (exit code 0): turns in flight complete, caches are persisted so the
     next start resumes warm, and the home's lock is released.
@@ -59,6 +63,8 @@ def serve_command(
     try:
         settings = settings_for(ctx.obj, model=model)
         configure_logging(log_level.value, log_format.value)
+        # The seconds before the model loads go to importing torch and transformers: say so.
+        log.info("chatkv starting on %s:%d (home %s): importing torch and transformers", host, port, settings.home)
         with domain_errors():
             serve(load_manager(settings), host=host, port=port, local=local, sockets=sockets, log_level=log_level.value)
     except HomeLockedError as exc:  # a server took the home while the model loaded

@@ -254,6 +254,7 @@ def serve(
         with HomeLock(manager.settings.home, url), _sigterm_exits():
             listening_url = advertised_url(host, port)
             manager.set_replica_url(listening_url)
+            log.info("building the chat UI, the /v1/ API and the admin API")
             app = build_app(manager, local=local, token=token)
             # Implicit sessions and uncontinued forks expire here; `manager.close()` stops the sweeps.
             manager.start_retention_sweeps()

@@ -101,6 +101,13 @@ class Engine:
 
     # -- running requests ----------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop the engine loop and join its thread (`EngineLoop.stop`): nothing then holds the
+        engine but its callers, so the model's memory goes with their last reference. For the
+        owner of the engine only (a `SessionManager` that loaded it); later requests raise
+        `RuntimeError`. Idempotent."""
+        self.loop.stop()
+
     def submit(self, request: Request) -> Request:
         """Queue `request` on the engine loop; read its output with `request.tokens()`."""
         return self.loop.submit(request)

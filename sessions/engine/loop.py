@@ -54,7 +54,8 @@ class LoopStats:
 
 
 class EngineLoop:
-    """Runs `forward` on packed steps in a daemon thread started by the first `submit`.
+    """Runs `forward` on packed steps in a daemon thread started by the first `submit`, until
+    `stop` (which joins it: a stopped loop holds no thread, and nothing of the model).
 
     Args:
         forward: runs the model on a packed batch and returns `[len(batch.logits_indices), vocab]`
@@ -75,6 +76,7 @@ class EngineLoop:
         self._busy: deque[tuple[float, float]] = deque()
         self._started_at = time.monotonic()
         self._steps = 0
+        self._stopped = False
 
     @property
     def config(self) -> SchedulerConfig:
@@ -95,14 +97,31 @@ class EngineLoop:
                 self._observers.remove(observer)
 
     def submit(self, request: Request) -> Request:
-        """Queue `request`; read its output with `request.tokens()`."""
+        """Queue `request`; read its output with `request.tokens()`.
+
+        Raises:
+            RuntimeError: the loop was stopped (its engine was closed).
+        """
         with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine loop is stopped: its engine was closed")
             self._scheduler.add(request)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="chatkv-engine-loop", daemon=True)
                 self._thread.start()
             self._wake.notify()
         return request
+
+    def stop(self) -> None:
+        """Stop the loop after its current step and join its thread; requests still queued fail
+        with `RuntimeError`. Idempotent; `submit` raises afterwards."""
+        with self._wake:
+            self._stopped = True
+            thread = self._thread
+            self._wake.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._fail_all(RuntimeError("the engine loop was stopped before this request ran"))
 
     def wake(self) -> None:
         """Make the loop look at its queues now (after a `Request.cancel`)."""
@@ -120,7 +139,7 @@ class EngineLoop:
     # -- the loop ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while not self._stopped:
             try:
                 self._run_once()
             # The loop thread must outlive any bug in one step: its callers would otherwise wait
@@ -141,6 +160,8 @@ class EngineLoop:
     def _run_once(self) -> None:
         with self._wake:
             while not self._scheduler.has_work():
+                if self._stopped:
+                    return
                 self._wake.wait()
             plan = self._scheduler.schedule()
         self._release(plan)

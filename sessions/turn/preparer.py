@@ -135,6 +135,7 @@ class TurnPreparer:
             ids, start = self._prepare_rebuild(tenant_id, session_id, transcript, user_text, params)
         if cancel is not None:
             cancel.check()
+        _log_prepared(session_id, "reuse" if cache is not None else "rebuild", source, start, len(ids.turn))
         return PreparedTurn(ids, start, source, restored.seconds, choice)
 
     def _restore_choice(self, lease: Lease, transcript: Transcript) -> RestoreChoice | None:
@@ -350,3 +351,20 @@ def _apply_pins(cache: SessionCache, pinned: set[int]) -> SessionCache:
         for span in cache.layers
     ]
     return cache.replace_layers(layers) if layers != list(cache.layers) else cache
+
+
+def _log_prepared(session_id: SessionId, path: str, source: RestoreSource, start: TurnStart, turn_tokens: int) -> None:
+    """One debug line per turn: the way it starts and what it costs before its own prefill."""
+    log.debug(
+        "session %s: %s from %s: %d cached tokens reused (%d of them the base), %d fed before the turn's %d, "
+        "%d demoted, %d prefilled while preparing",
+        session_id,
+        path,
+        source,
+        start.reused_tokens,
+        start.base_reused,
+        len(start.feed),
+        turn_tokens,
+        start.demoted_tokens,
+        start.base_computed,
+    )

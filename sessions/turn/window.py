@@ -148,7 +148,7 @@ class TurnWindow:
         try:
             return self.window.plan(layers, base_tokens, closing_tokens, turn_tokens, max_new_tokens)
         except ContextOverflow as exc:
-            raise ContextTooLong(exc.needed_tokens, exc.budget_tokens) from None
+            raise ContextTooLong(exc.needed_tokens, exc.budget_tokens, reply_tokens=max_new_tokens) from None
 
     def fit(
         self, cache: SessionCache, closing: Sequence[int], turn: Sequence[int], max_new_tokens: int
@@ -174,7 +174,7 @@ class TurnWindow:
             return FittedWindow(cache, 0, False)
         evictable = evictable_tokens(cache, self.window.recent_tokens)
         if excess > evictable:
-            raise ContextTooLong(needed - evictable, self.window.budget_tokens)
+            raise ContextTooLong(needed - evictable, self.window.budget_tokens, reply_tokens=max_new_tokens)
         started = time.perf_counter()
         scores = self.score(cache, prefill)
         scored = time.perf_counter()

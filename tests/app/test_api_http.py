@@ -590,7 +590,13 @@ BAD_REQUESTS: list[tuple[str, Any, int, str, str]] = [
     ("empty-stop", {"stop": [""]}, 400, "invalid_request", "empty"),
     ("unknown-model", {"model": "gpt-4o"}, 404, "model_not_found", "gpt-4o"),
     ("unknown-session", {"session_id": "s_missing"}, 404, "session_not_found", "s_missing"),
-    ("context-too-long", {"max_tokens": 100_000}, 413, "context_length_exceeded", "too long"),
+    (
+        "context-too-long",
+        {"max_tokens": 100_000},
+        413,
+        "context_length_exceeded",
+        "in the prompt, up to 100000 in the reply), the limit is",
+    ),
     ("unknown-field", {"foo": 1}, 400, "unrecognized_request_argument", "Unrecognized request argument supplied: foo"),
     (
         "unknown-fields",

@@ -147,7 +147,8 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
     shutil.copy(blob_path, surviving)
     blob = surviving.read_bytes()
     aad = blob_aad(acme, sessions["acme"], fingerprint, FORMAT_VERSION)
-    assert open_chunked(acme_key, *split_frame(blob), [aad])  # readable while the tenant's data key exists
+    # Readable while the tenant's data key exists.
+    assert open_chunked(acme_key, *split_frame(blob), [aad], max_payload_bytes=len(blob))
 
     cli.ok("tenants", "delete", "acme", "--yes")
 
@@ -163,7 +164,7 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
         assert manager.keys.data_key(globex) == globex_key  # the other tenant is untouched
     for key in (parse_master_key(MASTER_KEY), globex_key):  # every key the system still has
         with pytest.raises(AuthenticationFailed):
-            open_chunked(key, *split_frame(blob), [aad])
+            open_chunked(key, *split_frame(blob), [aad], max_payload_bytes=len(blob))
     metadata.database.dispose()
 
 

@@ -110,6 +110,26 @@ def test_stats_show_each_tenants_prompt_tokens_by_name_and_forks_by_source(cli: 
         assert re.search(row, plain, re.MULTILINE), plain
 
 
+def test_stats_count_the_write_back_copies_on_disk_apart_from_the_sessions_placed_there(
+    cli: Cli, served: SessionManager
+) -> None:
+    tenant = served.create_tenant("acme")
+    for _ in range(2):
+        served.chat(tenant, served.open_session(tenant, SYSTEM), "Hello", max_new_tokens=4)
+    served.flush()  # the write-back stored both caches on disk; both stay placed on the device
+    stats = cli.json(*SERVER, "stats")
+    disk, device = stats["tiers"]["disk"], stats["tiers"]["device"]
+    assert (device["sessions"], device["copies"]) == (2, 0)
+    assert (disk["sessions"], disk["copies"]) == (0, 2) and disk["bytes"] == served.disk_store.used_bytes() > 0
+    plain = cli.ok(*SERVER, "stats").stdout
+    assert re.search(rf"^ *disk +0 +2 +{disk['bytes']} +{disk['budget_bytes']} ", plain, re.MULTILINE), plain
+    assert re.search(r"^ *tier +sessions +\+ copies +bytes +budget +used *$", plain, re.MULTILINE), plain
+    assert (
+        "sessions: placed in the tier; + copies: write-back copies of sessions placed higher; "
+        "bytes: both, and base layers\n"
+    ) in plain
+
+
 # -- chatkv tenants retention ------------------------------------------------------------------
 
 

@@ -207,7 +207,9 @@ def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: Sess
     assert state.session_id is not None
     too_long = _send(ui, state, "hi", max_new_tokens=100_000)[-1]
     assert re.fullmatch(
-        r'<div class="chatkv-error" role="alert">message too long: needs \d+ tokens of context, the limit is \d+</div>',
+        r'<div class="chatkv-error" role="alert">message too long: the turn needs \d+ tokens of context '
+        r"\(\d+ in the prompt, up to 100000 in the reply\), the limit is \d+: lower max tokens to \d+ or less"
+        r"</div>",
         too_long.error_line,
     )
     assert too_long.message["value"] == "hi"  # given back to the user to edit

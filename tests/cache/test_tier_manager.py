@@ -127,7 +127,7 @@ def make_rig(tmp_path: Path) -> Iterator:
         ring = TenantKeys(metadata, master)
         tiers = TierManager(
             pool=PrefixPool(),
-            sealer=wrap_sealer(EncryptedCacheSealer(ring, fingerprint, torch.device("cpu"))),
+            sealer=wrap_sealer(EncryptedCacheSealer(ring, fingerprint, torch.device("cpu"), max_payload_bytes=1 << 30)),
             host=TierBlobStore(host),
             disk=TierBlobStore(disk),
             budgets=limits or budgets(),

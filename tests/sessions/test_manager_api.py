@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from cache.tiers import Tier
+from sessions.engine import Engine
 from sessions.errors import (
     ContextTooLong,
     InvalidInput,
@@ -17,6 +19,7 @@ from sessions.errors import (
     TenantNotFound,
 )
 from sessions.manager import SessionManager
+from tests.conftest import make_settings
 
 
 def test_tenants_are_created_listed_and_resolved_by_id_or_name(tiny_manager: SessionManager) -> None:
@@ -69,6 +72,35 @@ def test_bad_messages_and_parameters_are_rejected_before_anything_is_stored(tiny
             tiny_manager.chat(tenant, sid, message)
     assert tiny_manager.history(tenant, sid) == []
     assert tiny_manager.session_info(tenant, sid).token_count == 0
+
+
+def test_a_max_tokens_over_the_context_names_both_parts_and_the_largest_max_tokens_that_fits(
+    tmp_path: Path, tiny_engine: Engine
+) -> None:
+    with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=256), engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant)
+        with pytest.raises(ContextTooLong) as error:
+            manager.chat(tenant, sid, "hi", max_new_tokens=100_000)
+        prompt = error.value.prompt_tokens
+        assert (error.value.needed_tokens, error.value.reply_tokens, error.value.limit_tokens) == (
+            prompt + 100_000,
+            100_000,
+            256,
+        )
+        assert str(error.value) == (
+            f"message too long: the turn needs {prompt + 100_000} tokens of context ({prompt} in the prompt, "
+            f"up to 100000 in the reply), the limit is 256: lower max tokens to {256 - prompt} or less"
+        )
+        reply = manager.chat(tenant, sid, "hi", max_new_tokens=256 - prompt)  # the number it named fits
+        assert len(reply.token_ids) == reply.stats.decode_tokens == 256 - prompt and reply.finish_reason == "length"
+        with pytest.raises(ContextTooLong) as error:
+            manager.chat(tenant, sid, "word " * 300, max_new_tokens=4)
+        prompt = error.value.prompt_tokens
+        assert str(error.value) == (
+            f"message too long: the turn needs {prompt + 4} tokens of context ({prompt} in the prompt, "
+            "up to 4 in the reply), the limit is 256: the prompt alone is over it, shorten the message"
+        )
 
 
 def test_message_longer_than_the_context_raises_context_too_long_and_stores_nothing(

@@ -110,7 +110,10 @@ def blob_is_current(home: Path, fingerprint: str, tenant_id: str, session_id: st
         if not any(r.name == session_id for r in metadata.list_blobs(tenant_id=tenant_id)):
             return False
         sealer = EncryptedCacheSealer(
-            TenantKeys(metadata, load_master_key(home, MASTER_KEY)), fingerprint, torch.device("cpu")
+            TenantKeys(metadata, load_master_key(home, MASTER_KEY)),
+            fingerprint,
+            torch.device("cpu"),
+            max_payload_bytes=path.stat().st_size,
         )
         key = CacheKey.for_session(TenantId(tenant_id), SessionId(session_id))
         try:

@@ -2,7 +2,8 @@
 restored by another from its chunks; a chunk tampered with in Redis (swapped, reordered, replayed
 from an older write, mixed in from another session, the last one dropped) or a Redis killed in the
 middle of the restore costs a rebuild with the exact reply and an integrity failure counted, never
-a failed turn; a blob sealed whole by the version before chunking still restores."""
+a failed turn (a forged manifest claiming four billion chunks too, at once); a blob sealed whole by
+the version before chunking still restores."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def test_a_session_restores_from_its_chunks_on_another_replica(
         assert redis_failures(second) == 0
 
 
-TAMPERINGS = ["swap", "reorder", "replay", "mix", "truncate"]
+TAMPERINGS = ["swap", "reorder", "replay", "mix", "truncate", "forge"]
 
 
 def tamper(how: str, client: redis.Redis, store: RedisBlobStore[CacheKey], published: Published) -> None:
@@ -121,6 +122,8 @@ def tamper(how: str, client: redis.Redis, store: RedisBlobStore[CacheKey], publi
         client.set(
             store.redis_key(key), ChunkedHeader(header.blob_id, fewer, CHUNK_BYTES, fewer * CHUNK_BYTES).to_bytes()
         )
+    elif how == "forge":  # a manifest claiming four billion one-byte chunks
+        client.set(store.redis_key(key), ChunkedHeader(b"\1" * 16, 2**32 - 1, 1, 2**32 - 1).to_bytes(), keepttl=True)
     for name, value in zip(names, values, strict=True):
         client.set(name, value, keepttl=True)
 
@@ -198,7 +201,8 @@ def test_a_blob_sealed_whole_before_chunking_still_restores_from_redis(
         store, key = redis_of(second), key_of(published.tenant, published.session)
         data_key = second.keys.data_key(published.tenant)
         aad = blob_aad(published.tenant, published.session, tiny_engine.fingerprint, FORMAT_VERSION)
-        payload = open_chunked(data_key, *split_frame(store.get(key)), [aad])
+        blob = store.get(key)
+        payload = open_chunked(data_key, *split_frame(blob), [aad], max_payload_bytes=len(blob))
         store.put(key, seal(data_key, bytes(payload), aad))  # what the version before wrote
         assert [k for k in client.scan_iter(match=f"{store.redis_key(key)}:*")] == []  # no chunks: one value
         expected = reference_reply(second, published.tenant, published.session, NEXT, TOKENS)

@@ -1,11 +1,13 @@
 """Chunked sealing: a frame round-trips through whole bytes and through its pieces, and every chunk out
 of its place (swapped, reordered, dropped, added, replayed from an older write, mixed in from
-another blob) or a header that lies is `AuthenticationFailed`, never a wrong payload."""
+another blob) or a header that lies is `AuthenticationFailed`, never a wrong payload; a header is
+authenticated, and its sizes bounded, before the first chunk is asked for."""
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,11 +25,12 @@ from storage.keyring import AuthenticationFailed, blob_aad, seal
 KEY = bytes(range(32))
 AAD = blob_aad("tn_a", "s_1", "fp", 2)
 CHUNK = 100
+MAX_PAYLOAD = 10 * CHUNK
 
 
 def open_frame(frame: bytes, aads: tuple[bytes, ...] = (AAD,), key: bytes = KEY) -> bytes:
     head, chunks = split_frame(frame)
-    return bytes(open_chunked(key, head, chunks, aads))
+    return bytes(open_chunked(key, head, chunks, aads, max_payload_bytes=MAX_PAYLOAD))
 
 
 def pieces(frame: bytes) -> tuple[bytes, list[bytes]]:
@@ -45,7 +48,8 @@ def test_round_trip_in_chunks_of_the_given_size(size: int) -> None:
     assert len(frame) == header.frame_bytes == HEADER_BYTES + size + header.chunk_count * TAG_BYTES
     assert open_frame(frame) == payload
     head, chunks = pieces(frame)
-    assert bytes(open_chunked(KEY, head, iter(chunks), (AAD,))) == payload  # one piece at a time
+    one_at_a_time = open_chunked(KEY, head, iter(chunks), (AAD,), max_payload_bytes=MAX_PAYLOAD)
+    assert bytes(one_at_a_time) == payload
 
 
 def test_each_write_is_a_new_blob() -> None:
@@ -56,7 +60,7 @@ def test_each_write_is_a_new_blob() -> None:
 
 def rejected(head: bytes, chunks: list[bytes], aads: tuple[bytes, ...] = (AAD,), key: bytes = KEY) -> str:
     with pytest.raises(AuthenticationFailed) as failure:
-        open_chunked(key, head, chunks, aads)
+        open_chunked(key, head, chunks, aads, max_payload_bytes=MAX_PAYLOAD)
     return str(failure.value)
 
 
@@ -78,19 +82,20 @@ def test_a_chunk_replayed_from_an_older_write_or_mixed_in_from_another_blob_is_r
     assert "chunk 2 of 3" in rejected(head, [new[0], new[1], old[2]])  # the same session's older write
     assert "chunk 1 of 3" in rejected(head, [new[0], other[1], new[2]])  # another session's blob
     # A whole older write is consistent: it opens (the transcript check catches a stale cache).
-    assert len(bytes(open_chunked(KEY, old_head, old, (AAD,)))) == 3 * CHUNK
+    assert len(bytes(open_chunked(KEY, old_head, old, (AAD,), max_payload_bytes=MAX_PAYLOAD))) == 3 * CHUNK
 
 
 def test_a_blob_under_another_name_key_or_format_is_rejected() -> None:
     head, chunks = pieces(seal_chunked(KEY, os.urandom(2 * CHUNK), AAD, chunk_bytes=CHUNK))
-    assert "chunk 0 of 2" in rejected(head, chunks, aads=(blob_aad("tn_a", "s_2", "fp", 2),))
-    assert "chunk 0 of 2" in rejected(head, chunks, aads=(blob_aad("tn_b", "s_1", "fp", 2),))
-    assert "chunk 0 of 2" in rejected(head, chunks, aads=(blob_aad("tn_a", "s_1", "other", 2),))
-    assert "chunk 0 of 2" in rejected(head, chunks, key=bytes(32))
-    # An older format's associated data is accepted when the caller lists it; the first chunk decides.
+    header_fails = "the header of a chunked blob of 2 chunks does not authenticate"
+    assert rejected(head, chunks, aads=(blob_aad("tn_a", "s_2", "fp", 2),)) == header_fails
+    assert rejected(head, chunks, aads=(blob_aad("tn_b", "s_1", "fp", 2),)) == header_fails
+    assert rejected(head, chunks, aads=(blob_aad("tn_a", "s_1", "other", 2),)) == header_fails
+    assert rejected(head, chunks, key=bytes(32)) == header_fails
+    # An older format's associated data is accepted when the caller lists it; the header decides.
     old_aad = blob_aad("tn_a", "s_1", "fp", 1)
     old_head, old_chunks = pieces(seal_chunked(KEY, b"x" * 150, old_aad, chunk_bytes=CHUNK))
-    assert bytes(open_chunked(KEY, old_head, old_chunks, (AAD, old_aad))) == b"x" * 150
+    assert bytes(open_chunked(KEY, old_head, old_chunks, (AAD, old_aad), max_payload_bytes=MAX_PAYLOAD)) == b"x" * 150
 
 
 def test_a_flipped_bit_anywhere_is_rejected() -> None:
@@ -107,13 +112,45 @@ def test_a_flipped_bit_anywhere_is_rejected() -> None:
     [("chunk_count", 2), ("chunk_bytes", 2 * CHUNK), ("payload_bytes", 3 * CHUNK - 1), ("blob_id", b"\0" * 16)],
 )
 def test_a_header_that_lies_is_rejected(field: str, value: object) -> None:
-    head, chunks = pieces(seal_chunked(KEY, os.urandom(3 * CHUNK), AAD, chunk_bytes=CHUNK))
+    head, _ = pieces(seal_chunked(KEY, os.urandom(3 * CHUNK), AAD, chunk_bytes=CHUNK))
     values = vars(ChunkedHeader.parse(head)) | {field: value}
     lying = struct.pack(
-        "<5s16sIIQ", b"CKVC1", *(values[f] for f in ("blob_id", "chunk_count", "chunk_bytes", "payload_bytes"))
+        "<5s16sIIQ16s",
+        b"CKVC2",
+        *(values[f] for f in ("blob_id", "chunk_count", "chunk_bytes", "payload_bytes", "tag")),
     )
-    with pytest.raises(AuthenticationFailed):  # sizes no frame has, or sizes its chunks were not sealed with
-        open_chunked(KEY, lying, chunks, (AAD,))
+    # Sizes no frame has, or sizes its tag was not made for: rejected before a chunk is asked for.
+    with pytest.raises(AuthenticationFailed):
+        open_chunked(KEY, lying, untouchable(), (AAD,), max_payload_bytes=MAX_PAYLOAD)
+
+
+def untouchable() -> Iterator[bytes]:
+    """Chunks that must never be asked for."""
+    raise AssertionError("a chunk was asked for before the header authenticated")
+    yield b""
+
+
+def test_a_forged_header_claiming_four_billion_chunks_is_rejected_before_any_chunk_is_asked_for() -> None:
+    forged = ChunkedHeader(os.urandom(16), 2**32 - 1, 1, 2**32 - 1).to_bytes()  # a valid header, no valid tag
+    with pytest.raises(AuthenticationFailed, match="header of a chunked blob of 4294967295 chunks"):
+        open_chunked(KEY, forged, untouchable(), (AAD,), max_payload_bytes=2**33)
+    message = "claims 4294967295 payload bytes in 4294967295 chunks, more than a cache of this model holds"
+    with pytest.raises(AuthenticationFailed, match=message):
+        open_chunked(KEY, forged, untouchable(), (AAD,), max_payload_bytes=MAX_PAYLOAD)
+
+
+def test_a_genuine_header_over_the_payload_bound_is_rejected_before_any_chunk_is_asked_for() -> None:
+    head, chunks = pieces(seal_chunked(KEY, os.urandom(3 * CHUNK), AAD, chunk_bytes=CHUNK))
+    with pytest.raises(AuthenticationFailed, match=r"claims 300 payload bytes in 3 chunks, .* \(299 bytes\)"):
+        open_chunked(KEY, head, untouchable(), (AAD,), max_payload_bytes=3 * CHUNK - 1)
+    assert len(open_chunked(KEY, head, chunks, (AAD,), max_payload_bytes=3 * CHUNK)) == 3 * CHUNK
+
+
+def test_a_frame_of_the_version_before_header_tags_is_rejected() -> None:
+    old_header = struct.pack("<5s16sIIQ", b"CKVC1", os.urandom(16), 1, CHUNK, 5)  # 37 bytes, no tag
+    assert is_chunked(old_header)
+    with pytest.raises(AuthenticationFailed, match="frame version b'CKVC1', before header tags"):
+        open_chunked(KEY, old_header, untouchable(), (AAD,), max_payload_bytes=MAX_PAYLOAD)
 
 
 def test_frames_of_the_wrong_length_and_headers_no_frame_has_are_rejected() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import tracemalloc
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +17,7 @@ import redis
 from redis.crc import key_slot
 
 from storage.blob_stores import BlobNotFound
-from storage.chunked_blobs import ChunkedHeader, open_chunked, seal_chunked
+from storage.chunked_blobs import HEADER_BYTES, ChunkedHeader, open_chunked, seal_chunked
 from storage.keyring import AuthenticationFailed, blob_aad
 from storage.metadata_store import MetadataStore
 from storage.redis_store import LOCATION, READ_WINDOW, RedisBlobStore, RedisUnavailable, chunk_key, connect_redis
@@ -26,6 +27,7 @@ from tests.storage.conftest import OTHER, S1, S2, Key
 FP = "0123456789abcdef" + "f" * 48
 DATA_KEY = bytes(range(32))
 CHUNK = 1000
+MAX_PAYLOAD = 100 * CHUNK
 TIMEOUT_S = 0.5
 
 
@@ -49,7 +51,7 @@ def opened(store: RedisBlobStore[Key], key: Key) -> bytes:
     """The payload, opened piece by piece from `store.read` as a restore does."""
     pieces = store.read(key)
     head = next(pieces)
-    return bytes(open_chunked(DATA_KEY, head, pieces, [aad(key)]))
+    return bytes(open_chunked(DATA_KEY, head, pieces, [aad(key)], max_payload_bytes=MAX_PAYLOAD))
 
 
 def keys_of(client: redis.Redis | redis.RedisCluster, prefix: str) -> list[str]:
@@ -83,7 +85,7 @@ def test_a_chunked_blob_is_a_manifest_and_one_value_per_chunk_each_with_the_ttl(
     assert keys_of(shared, redis_prefix) == sorted([manifest, *chunks])
     assert {key_slot(k.encode()) for k in [manifest, *chunks]} == {key_slot(b"s_1")}
     assert all(0 < shared.ttl(k) <= 600 for k in [manifest, *chunks])
-    assert shared.strlen(manifest) == 37
+    assert shared.strlen(manifest) == HEADER_BYTES == 53
     row = rows.get_blob(tenant_id="tn_a", name="s_1", location=LOCATION)
     assert row is not None and (row.nbytes, row.checksum) == (len(blob), hashlib.sha256(blob).hexdigest())
     assert store.nbytes(S1) == len(blob) and store.used_bytes() == len(blob)
@@ -157,11 +159,66 @@ def test_a_truncated_blob_or_a_chunk_of_another_session_is_rejected(
     shorter = ChunkedHeader(header.blob_id, header.chunk_count - 1, CHUNK, (header.chunk_count - 1) * CHUNK)
     shared.set(store.redis_key(S1), shorter.to_bytes())
     reject(store, S1)
-    shared.set(store.redis_key(S1), blob[:37])
+    shared.set(store.redis_key(S1), blob[:HEADER_BYTES])
     shared.delete(names[-1])  # the last chunk gone from Redis: the blob is missing, its row dropped
     with pytest.raises(BlobNotFound):
         store.get(S1)
     assert rows.get_blob(tenant_id="tn_a", name="s_1", location=LOCATION) is None
+
+
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    """Calls of each command since the last `CONFIG RESETSTAT` (`INFO commandstats`)."""
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(entry["calls"]) for name, entry in stats.items()}
+
+
+def test_a_forged_manifest_claiming_four_million_chunks_is_rejected_without_reading_or_making_a_chunk_key(
+    rows: MetadataStore, private_redis: RedisServer
+) -> None:
+    client = private_redis.client()
+    try:
+        store = make_store(client, rows, "chatkv")
+        store.put(S1, frame(S1)[1])
+        forged = ChunkedHeader(os.urandom(16), 4_000_000, 1, 4_000_000)  # header-valid, tag of zeros
+        client.set(store.redis_key(S1), forged.to_bytes())
+        client.config_resetstat()
+        tracemalloc.start()
+        try:
+            pieces = store.read(S1)
+            with pytest.raises(AuthenticationFailed, match="header of a chunked blob of 4000000 chunks"):
+                # A bound as large as a real model's: the header's tag is what rejects it.
+                open_chunked(DATA_KEY, next(pieces), pieces, [aad(S1)], max_payload_bytes=1 << 30)
+            pieces.close()
+            peak_bytes = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert command_calls(client)["get"] == 1  # the manifest; not one chunk
+        assert peak_bytes < 1 << 20  # four million chunk keys would be hundreds of MB
+
+        # Deleting what a forged manifest names costs one batch of DELs, not four million keys.
+        client.config_resetstat()
+        store.delete(S1)
+        assert command_calls(client)["del"] == 1
+        assert client.get(store.redis_key(S1)) is None
+    finally:
+        client.close()
+
+
+def test_a_rewrite_over_a_forged_manifest_deletes_one_batch_and_keeps_the_new_blob(
+    rows: MetadataStore, private_redis: RedisServer
+) -> None:
+    client = private_redis.client()
+    try:
+        store = make_store(client, rows, "chatkv")
+        client.set(store.redis_key(S1), ChunkedHeader(os.urandom(16), 4_000_000, 1, 4_000_000).to_bytes())
+        payload, blob = frame(S1)
+        client.config_resetstat()
+        store.put(S1, blob)
+        assert command_calls(client)["del"] == 1
+        assert keys_of(client, "chatkv") == sorted([store.redis_key(S1), *chunk_keys(store, S1, blob)])
+        assert opened(store, S1) == payload
+    finally:
+        client.close()
 
 
 def test_budget_ttl_and_deletions_leave_no_chunk(rows: MetadataStore, shared: redis.Redis, redis_prefix: str) -> None:
@@ -228,7 +285,7 @@ def test_a_read_abandoned_half_way_leaves_the_client_usable(
         pieces = store.read(S1)
         next(pieces), next(pieces), next(pieces)
         pieces.close()  # replies still in flight: the connection is closed, not reused
-        assert shared.get(store.redis_key(S1)) == blob[:37]
+        assert shared.get(store.redis_key(S1)) == blob[:HEADER_BYTES]
     assert opened(store, S1) == payload
 
 
