@@ -69,8 +69,11 @@ def test_a_redis_restore_on_another_replica_is_exact_and_moves_only_the_windows(
         assert reply.stats.restored_from == "redis" and reply.token_ids == expected
 
 
-def test_int8_offload_keeps_the_sliding_windows_exact(tmp_path: Path, gemma3_engine: Engine) -> None:
-    with open_manager(tmp_path / "home", gemma3_engine, offload_precision="int8", quant_residual_tokens=0) as manager:
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_lossy_offload_keeps_the_sliding_windows_exact(tmp_path: Path, gemma3_engine: Engine, precision: str) -> None:
+    with open_manager(
+        tmp_path / "home", gemma3_engine, offload_precision=precision, quant_residual_tokens=0
+    ) as manager:
         tenant, sid = converse(manager)
         before = manager.tiers.peek(key_of(tenant, sid))
         assert before is not None
@@ -81,7 +84,7 @@ def test_int8_offload_keeps_the_sliding_windows_exact(tmp_path: Path, gemma3_eng
         for index, window in enumerate(gemma3_engine.layout.windows):
             same = torch.equal(before.own_keys[index], after.own_keys[index])
             assert same == (window is not None), f"model layer {index}: the full layer is quantised, windows exact"
-        assert {span.precision for span in after.layers if not span.pinned} == {"int8"}
+        assert {span.precision for span in after.layers if not span.pinned} == {precision}
         reply = manager.chat(tenant, sid, NEXT, max_new_tokens=TOKENS)  # a lossy cache still serves
         assert reply.stats.restored_from == "device" and len(reply.token_ids) > 0
 
