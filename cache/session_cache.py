@@ -189,12 +189,15 @@ class SessionCache:
             raise RuntimeError(f"bug: {len(self.windows)} layer windows for {len(self.own_keys)} model layers")
         held = sum(span.token_count for span in self.layers)
         span = self.next_position - self.base_tokens
-        for index, keys in enumerate(self.own_keys):
-            tokens = keys.shape[-2]
-            if (tokens != held) if self.window_of(index) is None else (tokens > span):
+        for index, (keys, values) in enumerate(zip(self.own_keys, self.own_values, strict=True)):
+            tokens, window = keys.shape[-2], self.window_of(index)
+            # A full layer holds the table's tokens; a sliding one at least its window (or every own
+            # position, fewer), at most every own position: a shorter tail would attend to less.
+            fits = tokens == held if window is None else min(window - 1, span) <= tokens <= span
+            if not fits or values.shape[-2] != tokens:
                 raise RuntimeError(
-                    f"bug: model layer {index} holds {tokens} own tokens; the layer table holds {held}, "
-                    f"window {self.window_of(index)}, {span} own positions"
+                    f"bug: model layer {index} holds {tokens} own keys and {values.shape[-2]} values; the layer "
+                    f"table holds {held}, window {window}, {span} own positions"
                 )
         if self.own_stream_index is not None and any(
             t.shape[-1] != k.shape[-2] for t, k in zip(self.own_stream_index, self.own_keys, strict=True)

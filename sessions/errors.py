@@ -230,6 +230,13 @@ class KeyMismatch(ChatKVError):
     http_status = 409
 
 
+class EngineStopped(ChatKVError):
+    """The engine that runs the model was closed (by the manager that loaded it, while another
+    manager shared it): no turn runs on it any more, and turns in flight on it were failed."""
+
+    http_status = 503
+
+
 class ManagerClosed(ChatKVError):
     """The `SessionManager` was closed: it takes no new turns, and turns in flight were cancelled."""
 

@@ -16,14 +16,17 @@ answers it itself if nobody did.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -111,6 +114,10 @@ class BodyLimitMiddleware:
             if response_started:
                 raise
             await JSONResponse({"error": exc.detail}, status_code=exc.status_code)(scope, receive, send)
+        except ClientDisconnect:  # gone while its body was read: nobody to answer, nothing started
+            if response_started:
+                raise
+            log.debug("client went away while sending the body of %s %s", scope.get("method"), scope["path"])
 
 
 async def require_utf8_body(request: Request) -> None:

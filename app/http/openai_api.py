@@ -267,7 +267,9 @@ def _complete(
     headers = {SESSION_HEADER: session_id if session_id is not None else turn.session_id}
     if body.stream:
         head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
-        return EventStream(_chunks(turn, head, include_usage, guard), headers=headers)
+        return EventStream(
+            _chunks(turn, head, include_usage, guard), headers=headers, unstarted=lambda: _abandon(guard, turn)
+        )
     try:
         reply = turn.run()
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
@@ -396,6 +398,14 @@ def _chunks(
         yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
     finally:
         guard.release()
+        turn.close()
+
+
+def _abandon(guard: IdempotencyGuard, turn: StartedTurn) -> None:
+    """What a stream's `finally` does, for a stream that ended before its first frame."""
+    try:
+        guard.release()
+    finally:
         turn.close()
 
 

@@ -263,7 +263,8 @@ def _create(
     headers = {SESSION_HEADER: run.turn.session_id} if store else {}
     if body.stream:
         in_flight.add(tenant, head, cancel)
-        return EventStream(_events(manager, tenant, run, guard, in_flight, body.previous_response_id), headers=headers)
+        events = _events(manager, tenant, run, guard, in_flight, body.previous_response_id)
+        return EventStream(events, headers=headers, unstarted=lambda: _abandon(tenant, run, guard, in_flight))
     try:
         reply = run.turn.run()
         final = _finish(manager, tenant, run, reply, body.previous_response_id, guard)
@@ -398,6 +399,15 @@ def _finish(
             tenant.id, run.conversation_id, added, session_id=run.turn.session_id, capped=False
         )
     return final
+
+
+def _abandon(tenant: Tenant, run: _Turn, guard: IdempotencyGuard, in_flight: InFlight) -> None:
+    """What `_events`' `finally` does, for a stream that ended before its first frame."""
+    try:
+        in_flight.discard(tenant, run.head["id"])
+        guard.release()
+    finally:
+        run.turn.close()
 
 
 def _events(

@@ -160,6 +160,8 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
                 f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters and values at most "
                 f"{MAX_METADATA_VALUE_CHARS}; {key[:80]!r} is over"
             )
+        check_text(key, "a metadata key", MAX_METADATA_KEY_CHARS)  # storable: no lone surrogate, no NUL
+        check_text(value, f"metadata[{key!r}]", MAX_METADATA_VALUE_CHARS)
     return metadata
 
 
@@ -246,6 +248,7 @@ def item_text(index: int, item: InputItem, where: str = "input") -> str:
     if item.content is None:
         raise InvalidInput(f"{where}.content is required")
     if isinstance(item.content, str):
+        check_text(item.content, f"{where}.content", MAX_MESSAGE_CHARS)
         return item.content
     texts = []
     for number, part in enumerate(item.content):
@@ -253,6 +256,7 @@ def item_text(index: int, item: InputItem, where: str = "input") -> str:
             raise unsupported(f"content parts of type {part.type!r} are (text only)", f"{where}.content[{number}]")
         if part.text is None:
             raise InvalidInput(f"{where}.content[{number}].text is required")
+        check_text(part.text, f"{where}.content[{number}].text", MAX_MESSAGE_CHARS)
         texts.append(part.text)
     return "".join(texts)
 

@@ -319,7 +319,7 @@ def _send(
         raise
     headers = {SESSION_HEADER: turn.session_id}
     if body.stream:
-        return EventStream(_events(turn, guard), headers=headers)
+        return EventStream(_events(turn, guard), headers=headers, unstarted=lambda: _abandon(guard, turn))
     try:
         reply = turn.run()
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
@@ -346,6 +346,14 @@ def _events(turn: StartedTurn, guard: IdempotencyGuard) -> Generator[str, None, 
         yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
     finally:
         guard.release()
+        turn.close()
+
+
+def _abandon(guard: IdempotencyGuard, turn: StartedTurn) -> None:
+    """What `_events`' `finally` does, for a stream that ended before its first frame."""
+    try:
+        guard.release()
+    finally:
         turn.close()
 
 

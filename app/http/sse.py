@@ -10,11 +10,16 @@ the generator is running then: a step in the threadpool is waited for, not aband
 runs its `call_on_close` callbacks (releasing the tenant's request slot). A client gone before the
 last frame is logged at debug level (its address, the route).
 
+A generator that never ran (the response ended before its first frame was asked for: a client
+gone between the turn's start and the first send) does not run its `finally` when closed, so the
+stream runs the route's `unstarted` clean-up instead (give up the idempotency claim, close the turn).
+
     frame = "data: <json>\\n\\n"      one event per frame; a stream ends with "data: [DONE]\\n\\n"
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Callable, Generator, Mapping
@@ -40,10 +45,17 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: Generator[str, None, None], *, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        frames: Generator[str, None, None],
+        *,
+        headers: Mapping[str, str] | None = None,
+        unstarted: Callable[[], None] | None = None,
+    ) -> None:
         # No caching, and no buffering by a proxy in front (nginx): each event goes out at once.
         super().__init__(frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._frames = frames
+        self._unstarted = unstarted
         self._on_close: list[Callable[[], None]] = []
         self._sent_all = False
 
@@ -71,6 +83,8 @@ class EventStream(StreamingResponse):
 
     def _close(self) -> None:
         try:
+            if self._unstarted is not None and inspect.getgeneratorstate(self._frames) == inspect.GEN_CREATED:
+                self._unstarted()  # closing it would not run its `finally`
             self._frames.close()
         finally:
             for callback in self._on_close:

@@ -105,7 +105,7 @@ class Engine:
         """Stop the engine loop and join its thread (`EngineLoop.stop`): nothing then holds the
         engine but its callers, so the model's memory goes with their last reference. For the
         owner of the engine only (a `SessionManager` that loaded it); later requests raise
-        `RuntimeError`. Idempotent."""
+        `EngineStopped`. Idempotent."""
         self.loop.stop()
 
     def submit(self, request: Request) -> Request:

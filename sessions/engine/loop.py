@@ -29,6 +29,7 @@ from sessions.engine.batch import PackedBatch, pack
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.request import Request
 from sessions.engine.scheduler import Scheduler, StepPlan
+from sessions.errors import EngineStopped
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,11 @@ class EngineLoop:
         """Queue `request`; read its output with `request.tokens()`.
 
         Raises:
-            RuntimeError: the loop was stopped (its engine was closed).
+            EngineStopped: the loop was stopped (its engine was closed).
         """
         with self._wake:
             if self._stopped:
-                raise RuntimeError("the engine loop is stopped: its engine was closed")
+                raise EngineStopped("the model's engine was closed by the manager that loaded it")
             self._scheduler.add(request)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="chatkv-engine-loop", daemon=True)
@@ -114,14 +115,14 @@ class EngineLoop:
 
     def stop(self) -> None:
         """Stop the loop after its current step and join its thread; requests still queued fail
-        with `RuntimeError`. Idempotent; `submit` raises afterwards."""
+        with `EngineStopped`. Idempotent; `submit` raises afterwards."""
         with self._wake:
             self._stopped = True
             thread = self._thread
             self._wake.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        self._fail_all(RuntimeError("the engine loop was stopped before this request ran"))
+        self._fail_all(EngineStopped("the model's engine was closed by the manager that loaded it"))
 
     def wake(self) -> None:
         """Make the loop look at its queues now (after a `Request.cancel`)."""

@@ -76,6 +76,27 @@ def test_a_body_without_a_length_is_counted_and_cut_at_the_first_chunk_over_the_
     assert _call(limits, "/x", [b"a" * 10, b"a" * 15], declared=False) == (200, b"25", 25)
 
 
+def test_a_client_gone_while_its_body_is_read_is_logged_at_debug_and_answered_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scope: Scope = {"type": "http", "method": "POST", "path": "/v1/x", "headers": [], "query_string": b""}
+    messages: list[Message] = [{"type": "http.request", "body": b"{", "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return messages.pop(0)
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    with caplog.at_level("DEBUG", logger="app.http.body_limits"):
+        asyncio.run(BodyLimitMiddleware(_echo_length, BodyLimits(default_bytes=100))(scope, receive, send))
+    assert sent == []
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("DEBUG", "client went away while sending the body of POST /v1/x")
+    ]
+
+
 def test_the_longest_matching_prefix_sets_the_limit() -> None:
     limits = BodyLimits(default_bytes=100, prefix_bytes={"/a/": 10, "/a/b": 0})
     assert [limits.for_path(p) for p in ("/", "/a", "/a/", "/a/x", "/a/b", "/a/bc/d")] == [100, 100, 10, 10, 0, 0]

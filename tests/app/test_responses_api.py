@@ -50,7 +50,7 @@ class Api:
         return OpenAI(base_url=f"{self.url}/v1", api_key=self.keys[tenant], max_retries=0, timeout=120)
 
     def native(self, tenant: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.keys[tenant]}"}
+        headers = {"Authorization": f"Bearer {self.keys[tenant]}", **kwargs.pop("headers", {})}
         return httpx.request(method, f"{self.url}/v1{path}", headers=headers, timeout=60, **kwargs)
 
     def sessions(self, tenant: str = "acme") -> set[str]:
@@ -330,6 +330,28 @@ def test_bad_input_is_a_400_and_stores_nothing(api: Api, kwargs: dict[str, Any])
     before = api.sessions()
     with pytest.raises(openai.BadRequestError):
         api.client().responses.create(model=api.model, **kwargs)
+    assert api.sessions() == before
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/conversations", b'{"items": [{"type": "message", "role": "user", "content": "a\\ud83d b"}]}'),
+        ("/conversations", b'{"metadata": {"k": "\\ud800"}}'),
+        ("/responses", b'{"model": "$MODEL", "input": "Hi", "metadata": {"k": "\\ud800"}}'),
+        ("/responses", b'{"model": "$MODEL", "input": [{"role": "user", "content": "a\\ud83d b"}]}'),
+        (
+            "/responses",
+            b'{"model": "$MODEL", "input": [{"role": "user", "content": [{"type": "input_text", "text": "\\udfff"}]}]}',
+        ),
+    ],
+)
+def test_text_with_a_lone_surrogate_is_a_400_and_stores_nothing(api: Api, path: str, body: bytes) -> None:
+    """The official client cannot send such text (it encodes UTF-8); a raw client can."""
+    before = api.sessions()
+    body = body.replace(b"$MODEL", api.model.encode())
+    refused = api.native("acme", "POST", path, content=body, headers={"Content-Type": "application/json"})
+    assert refused.status_code == 400 and "lone surrogate" in refused.json()["error"]["message"]
     assert api.sessions() == before
 
 

@@ -103,14 +103,22 @@ def test_the_tensors_round_trip_with_each_layers_own_length_and_the_models_windo
         session_cache_from_tensors(tensors, {**header, "format_version": 2}, "cpu", WINDOWS)
 
 
-def test_a_cache_whose_sliding_layer_holds_more_than_its_positions_is_a_bug() -> None:
-    cache = cache_after([2])
-    with pytest.raises(RuntimeError, match="model layer 1 holds 3 own tokens"):
+@pytest.mark.parametrize(
+    ("keys", "values", "what"),
+    [
+        (3, 3, "holds 3 own keys and 3 values"),  # more than its 2 own positions
+        (1, 1, "holds 1 own keys and 1 values"),  # less than its window (or its positions): attends to less
+        (2, 1, "holds 2 own keys and 1 values"),
+    ],
+)
+def test_a_cache_whose_sliding_layer_has_the_wrong_length_is_refused(keys: int, values: int, what: str) -> None:
+    cache = cache_after([2])  # two own positions, a window of 4: the tail must hold exactly 2
+    with pytest.raises(RuntimeError, match=f"model layer 1 {what}"):
         SessionCache(
             base_key=cache.base_key,
             base_token_ids=cache.base_token_ids,
-            own_keys=(cache.own_keys[0], marked(0, 3)),
-            own_values=(cache.own_values[0], marked(0, 3)),
+            own_keys=(cache.own_keys[0], marked(2, 2 + keys)),
+            own_values=(cache.own_values[0], marked(2, 2 + values)),
             own_token_ids=cache.own_token_ids,
             layers=cache.layers,
             windows=WINDOWS,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sessions.engine import Engine
+from sessions.errors import EngineStopped
 from sessions.manager import SessionManager
 from tests.conftest import make_settings
 from tests.sessions.offload_helpers import open_manager
@@ -49,9 +50,20 @@ def test_a_closed_engine_refuses_requests_and_its_loop_thread_is_gone(tiny_model
     engine = manager.engine
     manager.close()
     assert set(threading.enumerate()) - before == set()
-    with pytest.raises(RuntimeError, match="the engine loop is stopped: its engine was closed"):
+    with pytest.raises(EngineStopped, match="the model's engine was closed by the manager that loaded it"):
         engine.prefill(engine.empty_cache(None).to_working_cache(2), [1, 2])
     engine.close()  # idempotent
+
+
+def test_a_manager_sharing_an_engine_its_owner_closed_gets_a_typed_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    owner = SessionManager(make_settings(tmp_path / "owner", model=str(tiny_model_dir)))
+    with open_manager(tmp_path / "sharer", owner.engine) as sharer:
+        tenant = sharer.create_tenant("acme")
+        sid = sharer.open_session(tenant)
+        owner.close()
+        with pytest.raises(EngineStopped):
+            sharer.chat(tenant, sid, "Hello", max_new_tokens=2)
+        assert sharer.history(tenant, sid) == []  # nothing stored
 
 
 def test_a_shared_engine_keeps_serving_after_each_manager_on_it_closed(tmp_path: Path, tiny_engine: Engine) -> None:
