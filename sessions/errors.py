@@ -199,6 +199,10 @@ class UnsupportedModel(ModelUnavailable):
     argument the packed attention does not implement). Refused at load, before any turn; the
     message names what is unsupported. Bad input: the CLI exits 2."""
 
+    def __init__(self, reason: str) -> None:
+        super().__init__(f'unsupported model: {reason} (see "Supported models" in the README)')
+        self.reason = reason
+
 
 class HomeLocked(ChatKVError):
     """Another process holds the chatkv home: a running server, or a process with its own

@@ -91,7 +91,11 @@ def _admin_token(target: Target) -> str:
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        raise CLIError(f"no admin token: pass --admin-token, set CHATKV_ADMIN_TOKEN, or create {path}", 2) from None
+        raise CLIError(
+            f"no admin token in {path}: is the server running on another home? Set CHATKV_HOME to the "
+            "home its start-up log names, or pass --admin-token / set CHATKV_ADMIN_TOKEN",
+            2,
+        ) from None
 
 
 @contextmanager

@@ -54,7 +54,7 @@ def configure_logging(level: str, log_format: str, stream: TextIO | None = None)
         raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(_json_formatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT, TIME_FORMAT))
     numeric = logging.getLevelName(level.upper())
     root = logging.getLogger()
@@ -62,6 +62,20 @@ def configure_logging(level: str, log_format: str, stream: TextIO | None = None)
     root.setLevel(max(numeric, logging.WARNING))
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(numeric)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted, not the stream it was when the
+    handler was made: a caller that swaps stderr for a while (a test runner capturing a command's
+    output) and closes its stand-in must not leave the root logger writing into a closed file."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass  # always sys.stderr
 
 
 def _json_formatter() -> logging.Formatter:

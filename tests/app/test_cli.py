@@ -406,7 +406,10 @@ def test_serve_refuses_a_model_whose_cache_it_cannot_reuse_in_one_line_exit_2(
     tokenizer.save_pretrained(path)
     refused = cli("serve", "--model", str(path), "--port", str(free_port()), "--log-level", "error")
     message = assert_one_line_error(refused, code=2)
-    assert message == "error: latent-compressed KV caches (MLA, kv_lora_rank) are not supported"
+    assert message == (
+        "error: unsupported model: latent-compressed KV caches (MLA, kv_lora_rank) are not supported "
+        '(see "Supported models" in the README)'
+    )
 
 
 # -- operations --------------------------------------------------------------------------------

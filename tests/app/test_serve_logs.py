@@ -206,3 +206,25 @@ def test_serve_help_names_every_face_it_serves_the_v1_api_included() -> None:
         "Serve the chat UI at /, the OpenAI-compatible API under /v1/ (chat completions, Responses, sessions), "
         "the admin API under /admin/ and Prometheus metrics at /metrics."
     ) in result.stdout
+
+
+def test_logging_to_stderr_follows_a_swapped_stderr_and_never_writes_to_a_closed_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command run under a test runner's captured stderr, then closed, must not leave the root
+    logger writing into the closed stream ("--- Logging error --- I/O operation on closed file")."""
+    root = logging.getLogger()
+    saved, level = list(root.handlers), root.level
+    captured = io.StringIO()
+    monkeypatch.setattr("sys.stderr", captured)
+    try:
+        configure_logging("info", "text")
+        logging.getLogger("sessions").info("while captured")
+        captured.close()
+        later = io.StringIO()
+        monkeypatch.setattr("sys.stderr", later)
+        logging.getLogger("sessions").info("after the capture closed")
+        assert later.getvalue().endswith("INFO sessions: after the capture closed\n")
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
