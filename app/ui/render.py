@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from app.ui.view import Shown, StatsRow
-from sessions import Reply, SessionInfo, TurnStats
+from sessions import ChatKVError, Reply, SessionInfo, TurnStats
 
 STATS_HEADERS = [
     "turn",
@@ -33,6 +33,13 @@ def chat_messages(shown: Shown) -> list[dict[str, str]]:
 def error_html(message: str) -> str:
     """One error line (escaped), announced to screen readers."""
     return f'<div class="chatkv-error" role="alert">{html.escape(message)}</div>'
+
+
+def failure_message(failure: Exception | None) -> str:
+    """The one line shown for a turn that failed."""
+    if isinstance(failure, ChatKVError):
+        return str(failure)
+    return "the turn failed (internal error, see the server log); nothing was stored"  # a bug, logged by the worker
 
 
 def note_html(message: str, kind: str | None = None) -> str:
