@@ -58,8 +58,11 @@ def length_note(reply: Reply) -> str:
 
 
 def session_info_html(info: SessionInfo) -> str:
+    """The session line: id, title, where a fork comes from, size, cache tier, activity, system
+    prompt. A fork's title is its parent's, copied when forked: the line does not show it as the
+    fork's own (the picker names a fork by what it changed)."""
     parts = [f"session <code>{html.escape(str(info.id))}</code>"]
-    if info.title:
+    if info.title and info.parent_id is None:
         parts.append(html.escape(info.title))
     if info.parent_id is not None:
         turn = (info.fork_turns or 0) + 1

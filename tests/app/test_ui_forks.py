@@ -183,3 +183,20 @@ def test_the_delete_question_names_the_fork_and_says_what_stays(tiny_manager: Se
         (f"{EM}↳ fork at turn 1: “Name a fruit.” · just now", fruit.state.session_id),
         ("↳ fork at turn 2 of a deleted session: “Name a size.” · just now", fork_size),
     ]
+
+
+def test_a_fork_of_a_titled_session_is_named_by_its_change_not_the_title(tiny_manager: SessionManager) -> None:
+    ui = ChatUI(tiny_manager, local=True)
+    titled = ui.new_session("Colours", "", ui.on_load(ViewState()).state)
+    parent = str(titled.state.session_id)
+    done = _send(ui, titled.state, "Name a colour.")
+    edited = _edit(ui, done.state, 0, "Name a shape.")
+    fork = str(edited.state.session_id)
+    assert tiny_manager.session_info(LOCAL_TENANT, fork).title == "Colours"  # copied by the fork
+    assert edited.session_picker["choices"] == [
+        ("Colours · just now", parent),
+        (f"{EM}↳ fork at turn 1: “Name a shape.” · just now", fork),
+    ]
+    assert "Colours" in done.session_info and "Colours" not in edited.session_info
+    assert f"fork of <code>{parent}</code> at turn 1" in edited.session_info
+    assert ui.ask_delete(edited.state).delete_question.startswith("Delete the fork at turn 1: “Name a shape.” (")
