@@ -17,12 +17,15 @@ says so) and the session takes the next message at once.
 Regenerate (the retry button on the last reply) and edit (the pencil on a user message; replies
 are not editable) are forks (`app.ui.forks`): a new session holding the turns before the one redone,
 warm from the original's cache, becomes the open session and runs the turn; the original stays as
-it was, in the picker (`↳ fork of “...” at turn 3`). A regenerated or edited turn that fails or is
-stopped deletes its fork and opens the original again.
+it was, in the picker, where forks are a tree under their parents, each named by what it changed
+(`↳ fork at turn 3: “edited”`, `app.ui.sessions`). At Temperature 0 a fork whose turn equals one
+stored already is not kept: that session opens instead (`app.ui.forks.same_turn`). A regenerated
+or edited turn that fails or is stopped deletes its fork and opens the original again.
 
 Delete session… under the picker asks first (`app.ui.deletion`): the question names the open
-session, and only its "Delete for good" deletes it (`SessionManager.delete_session`: transcript and
-caches in every tier), then the picker is refreshed. The chat's clear button (a bin icon, its
+session (a fork by its own line) and what stays (its parent, its forks), and only its "Delete for
+good" deletes it (`SessionManager.delete_session`: transcript and caches in every tier), then the
+picker is refreshed. The chat's clear button (a bin icon, its
 tooltip `CLEAR_LABEL`) deletes nothing: it only starts a new conversation.
 
 The open session is remembered in the browser (`gr.BrowserState`, the browser's local storage), so

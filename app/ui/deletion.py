@@ -13,7 +13,7 @@ import gradio as gr
 
 from app.ui.render import error_html
 from app.ui.view import DELETE_HIDDEN, View, ViewState, make_view, no_session_view
-from sessions import ChatKVError, SessionNotFound, Tenant
+from sessions import ChatKVError, SessionInfo, SessionNotFound, Tenant
 
 if TYPE_CHECKING:
     from app.ui.sessions import SessionLabels
@@ -34,30 +34,56 @@ class SessionDeletion:
         self._turns = turns
 
     def ask(self, tenant: Tenant, state: ViewState) -> View:
-        """Show the question for the open session: its name, id and turns, and that it goes for
-        good. One error line instead when no session is open or a turn runs on it."""
+        """Show the question for the open session: its name (a fork's own line, as the picker
+        shows it), id and turns, that it goes for good, and what becomes of its parent and its
+        forks (`_question`). One error line instead when no session is open or a turn runs on it."""
         session_id = state.session_id
         if session_id is None:
             return make_view(state, error_line=error_html(NOTHING_TO_DELETE))
         if self._turns.find(str(tenant.id), session_id) is not None:
             return make_view(state, error_line=error_html(TURN_IN_FLIGHT.format(session_id)))
         try:
-            info = self.manager.session_info(tenant, session_id)
-            name = self._labels.name(tenant, info)
+            question = self._question(tenant, session_id)
         except ChatKVError as exc:
             return make_view(state, error_line=error_html(str(exc)))
-        turns = info.message_count // 2
-        question = (
-            f"Delete “{html.escape(name)}” (<code>{html.escape(session_id)}</code>, {turns} "
-            f"turn{'' if turns == 1 else 's'}) for good? Its transcript and its cache in every tier are "
-            "removed; this cannot be undone. Forks made from it stay."
-        )
         return make_view(
             replace(state, deleting=session_id),
             delete_panel=gr.update(visible=True),
             delete_question=question,
             error_line="",
         )
+
+    def _question(self, tenant: Tenant, session_id: str) -> str:
+        """The question (HTML) naming the session as the picker does, its id and turns, and what
+        becomes of the sessions around it: a fork's parent is untouched, and forks made from it
+        stay, each then listed on its own (raises `ChatKVError`)."""
+        info = self.manager.session_info(tenant, session_id)
+        listed = {str(other.id): other for other in self.manager.list_sessions(tenant)}
+        turns = info.message_count // 2
+        facts = f"<code>{html.escape(session_id)}</code>, {turns} turn{'' if turns == 1 else 's'}"
+        question = f"Delete “{html.escape(self._labels.name(tenant, info))}” ({facts}) for good?"
+        parent = listed.get(str(info.parent_id)) if info.parent_id is not None else None
+        if info.parent_id is not None:
+            line = html.escape(self._labels.fork_line(tenant, info, parent))
+            question = f"Delete the {line} ({facts}) for good?"
+        question += " Its transcript and its cache in every tier are removed; this cannot be undone."
+        if parent is not None:
+            question += f" {self._parent_name(tenant, parent, listed)}, the session it was forked from, stays as it is."
+        forks = sum(1 for other in listed.values() if other.parent_id == info.id)
+        if forks:
+            question += (
+                f" Its {forks} forks stay, each listed on its own as a fork of a deleted session."
+                if forks > 1
+                else " Its fork stays, listed on its own as a fork of a deleted session."
+            )
+        return question
+
+    def _parent_name(self, tenant: Tenant, parent: SessionInfo, listed: dict[str, SessionInfo]) -> str:
+        """`“its name”`, or for a fork `The fork at turn 2: ...` (HTML; it starts a sentence)."""
+        if parent.parent_id is None:
+            return f"“{html.escape(self._labels.name(tenant, parent))}”"
+        grandparent = listed.get(str(parent.parent_id))
+        return f"The {html.escape(self._labels.fork_line(tenant, parent, grandparent))}"
 
     def confirm(self, tenant: Tenant, state: ViewState) -> View:
         """Delete the session the question named and refresh the picker; if it is the one on

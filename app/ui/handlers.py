@@ -16,14 +16,17 @@ from app.ui.deletion import SessionDeletion
 from app.ui.forks import (
     FORK_STOPPED_NOTE,
     NO_SUCH_MESSAGE,
+    SAME_FORK_NOTE,
     SAME_REPLY_NOTE,
     ForkPoint,
     edit_point,
     regenerate_point,
+    same_turn,
 )
 from app.ui.render import (
     chat_messages,
     error_html,
+    failure_message,
     length_note,
     note_html,
     session_info_html,
@@ -38,6 +41,7 @@ from app.ui.view import (
     ViewState,
     input_update,
     make_view,
+    no_session_shown,
     no_session_view,
     overlay,
     remembered_session,
@@ -113,7 +117,7 @@ class ChatUI:
             api_key="",
             tenant_line="",
             session_picker=gr.update(choices=[], value=None),
-            **_no_session_shown(),
+            **no_session_shown(),
         )
 
     def _signed_in(self, tenant: Tenant, api_key: str | None, remembered: object) -> View:
@@ -126,7 +130,7 @@ class ChatUI:
             api_key="",
             tenant_line=f"Tenant <b>{html.escape(tenant.name)}</b> · model {html.escape(self.manager.model_name)}",
             session_picker=self._labels.picker(tenant, None),
-            **_no_session_shown(),
+            **no_session_shown(),
         )
         session_id = remembered_session(remembered, tenant)
         if session_id is None:
@@ -351,7 +355,7 @@ class ChatUI:
         if turn.stopped:
             yield undo(error_line="", reply_note=note_html(stopped_note, kind="stopped"))
         elif turn.reply is None:
-            yield undo(error_line=error_html(_failure_message(turn.failure)))
+            yield undo(error_line=error_html(failure_message(turn.failure)))
         else:
             yield self._after_turn(state, tenant, turn.session_id, turn.text, turn.reply)
 
@@ -380,9 +384,10 @@ class ChatUI:
     def regenerate(self, max_new_tokens: float, temperature: float, state: ViewState) -> Generator[View, None, None]:
         """The chat's retry button on the last reply: a fork of the open session keeping every turn
         but the last, where the last user message runs again, streamed like a send. The fork
-        becomes the open session; the original stays as it was, in the picker. A regenerated
-        reply equal to the one it replaces gets `SAME_REPLY_NOTE`. Refusals are one line; a
-        failed or stopped regeneration deletes the fork and opens the original again."""
+        becomes the open session; the original stays as it was, in the picker. At Temperature 0
+        a fork whose turn equals one stored already is not kept (`app.ui.forks.same_turn`).
+        Refusals are one line; a failed or stopped regeneration deletes the fork and opens the
+        original again."""
         tenant = self._tenant(state)
         if isinstance(tenant, View):
             yield tenant
@@ -391,13 +396,7 @@ class ChatUI:
         if isinstance(point, str):
             yield self._refused(state, point)
             return
-        replaced = state.shown[-1][1]
-        for view in self._fork_turn(tenant, state, point, max_new_tokens, temperature):
-            # The stored turn's view is the one on the fork holding as many messages as the original.
-            done = view.state.session_id != state.session_id and len(view.state.shown) == len(state.shown)
-            if done and view.state.shown[-1] == ("assistant", replaced):
-                view = view._replace(reply_note=view.reply_note + note_html(SAME_REPLY_NOTE, kind="same"))
-            yield view
+        yield from self._fork_turn(tenant, state, point, max_new_tokens, temperature)
 
     def edit(
         self, event: gr.EditData, max_new_tokens: float, temperature: float, state: ViewState
@@ -456,7 +455,7 @@ class ChatUI:
                 kept_messages=2 * point.turns,
             )
         )
-        yield from self._stream(
+        views = self._stream(
             turn,
             tenant,
             replace(state, session_id=fork, shown=point.shown, stats_rows=()),
@@ -464,6 +463,37 @@ class ChatUI:
             lambda **notes: self._reopened(state, tenant, **notes),
             remembered=remembered_value(tenant, fork),
             **self._session_shown(tenant, fork),
+        )
+        for view in views:
+            stored = len(view.state.shown) == len(point.shown) + 2  # the last view, of the stored turn
+            if stored and temperature == 0 and turn.reply is not None:
+                view = self._kept_or_same(view, tenant, state, point, turn.reply.text)
+            yield view
+
+    def _kept_or_same(self, view: View, tenant: Tenant, state: ViewState, point: ForkPoint, reply: str) -> View:
+        """`view` (the fork after its stored turn), unless the same turn is stored already
+        (`same_turn`): then the fork is deleted and that session opens, with a note saying why."""
+        parent, fork = str(state.session_id), str(view.state.session_id)
+        try:
+            same = same_turn(self.manager, tenant, parent, fork, point, reply)
+            if same is not None:
+                self.manager.delete_session(tenant, fork)
+        except ChatKVError:  # nothing to compare with, or the fork not deleted: it stays
+            return view
+        if same is None:
+            return view
+        if same == parent:
+            return self._reopened(state, tenant, error_line="", reply_note=note_html(SAME_REPLY_NOTE, kind="same"))
+        try:
+            opened = self._open(tenant, same, state)
+        except ChatKVError as exc:  # deleted just now (another tab): the original is left
+            return self._reopened(state, tenant, error_line=error_html(str(exc)))
+        return opened._replace(
+            message=input_update(True),
+            send_button=input_update(True),
+            stop_button=stop_button_update(False),
+            reply_note=note_html(SAME_FORK_NOTE, kind="same"),
+            **self._session_shown(tenant, same),
         )
 
     def _refused(self, state: ViewState, message: str) -> View:
@@ -534,29 +564,6 @@ class ChatUI:
             )
         except ChatKVError as exc:  # e.g. the session was deleted by an operator just now
             return view._replace(error_line=error_html(str(exc)))
-
-
-def _failure_message(failure: Exception | None) -> str:
-    """The one line shown for a turn that failed."""
-    if isinstance(failure, ChatKVError):
-        return str(failure)
-    return "the turn failed (internal error, see the server log); nothing was stored"  # a bug, logged by the worker
-
-
-def _no_session_shown() -> dict[str, Any]:
-    """The session components of a tab that shows no session yet (after sign-in or sign-out)."""
-    return {
-        "session_info": "",
-        "chatbot": [],
-        "message": input_update(True, value=""),
-        "send_button": input_update(True),
-        "stats_line": "",
-        "stats_table": [],
-        "error_line": "",
-        "stop_button": stop_button_update(False),
-        "reply_note": "",
-        **DELETE_HIDDEN,
-    }
 
 
 def local_tenant(manager: SessionManager) -> Tenant:

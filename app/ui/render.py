@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from app.ui.view import Shown, StatsRow
-from sessions import Reply, SessionInfo, TurnStats
+from sessions import ChatKVError, Reply, SessionInfo, TurnStats
 
 STATS_HEADERS = [
     "turn",
@@ -35,6 +35,13 @@ def error_html(message: str) -> str:
     return f'<div class="chatkv-error" role="alert">{html.escape(message)}</div>'
 
 
+def failure_message(failure: Exception | None) -> str:
+    """The one line shown for a turn that failed."""
+    if isinstance(failure, ChatKVError):
+        return str(failure)
+    return "the turn failed (internal error, see the server log); nothing was stored"  # a bug, logged by the worker
+
+
 def note_html(message: str, kind: str | None = None) -> str:
     """A quiet line; with `kind` a note about the reply (`stopped`, `length`: its `data-note`)."""
     if kind is None:
@@ -51,8 +58,11 @@ def length_note(reply: Reply) -> str:
 
 
 def session_info_html(info: SessionInfo) -> str:
+    """The session line: id, title, where a fork comes from, size, cache tier, activity, system
+    prompt. A fork's title is its parent's, copied when forked: the line does not show it as the
+    fork's own (the picker names a fork by what it changed)."""
     parts = [f"session <code>{html.escape(str(info.id))}</code>"]
-    if info.title:
+    if info.title and info.parent_id is None:
         parts.append(html.escape(info.title))
     if info.parent_id is not None:
         turn = (info.fork_turns or 0) + 1

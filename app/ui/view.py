@@ -95,6 +95,22 @@ def no_session_view(state: ViewState, note: str) -> View:
     )
 
 
+def no_session_shown() -> dict[str, Any]:
+    """The session components of a tab that shows no session yet (after sign-in or sign-out)."""
+    return {
+        "session_info": "",
+        "chatbot": [],
+        "message": input_update(True, value=""),
+        "send_button": input_update(True),
+        "stats_line": "",
+        "stats_table": [],
+        "error_line": "",
+        "stop_button": stop_button_update(False),
+        "reply_note": "",
+        **DELETE_HIDDEN,
+    }
+
+
 def input_update(enabled: bool, **value: Any) -> dict[str, Any]:
     """The message box or the Send button: usable or not (while a reply streams)."""
     return gr.update(interactive=enabled, **value)

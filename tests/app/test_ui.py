@@ -30,7 +30,6 @@ from app.ui.forks import (
     NO_SUCH_MESSAGE,
     NOTHING_TO_REGENERATE,
     REPLY_NOT_EDITABLE,
-    SAME_REPLY_NOTE,
 )
 from app.ui.render import error_html, note_html
 from app.ui.sessions import ago
@@ -606,8 +605,10 @@ def _edit(ui: ChatUI, state: ViewState, index: int, text: str, max_new_tokens: i
     return list(ui.edit_message(index, text, max_new_tokens, 0.0, state))
 
 
-def _labels(view: View) -> dict[str, str]:
-    return {sid: label for label, sid in view.session_picker["choices"]}
+def _short(text: str) -> str:
+    """`text` as a label quotes it: whitespace runs as one space, at most `LABEL_CHARS` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= LABEL_CHARS else flat[: LABEL_CHARS - 1].rstrip() + "…"
 
 
 def _transcript(manager: SessionManager, sid: str) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -623,7 +624,8 @@ def test_regenerate_forks_before_the_last_turn_warm_and_keeps_the_original(tiny_
     assert parent is not None
     before = _transcript(tiny_manager, parent)
 
-    views = _regenerate(ui, two.state)
+    # Two more tokens than the reply it replaces: a reply of its own even at Temperature 0.
+    views = _regenerate(ui, two.state, max_new_tokens=8)
     opening, done = views[0], views[-1]
     fork = done.state.session_id
     assert fork is not None and fork != parent and opening.state.session_id == fork
@@ -643,24 +645,27 @@ def test_regenerate_forks_before_the_last_turn_warm_and_keeps_the_original(tiny_
     assert int(_stat(done, "reused_tokens")) == context_1
     assert int(_stat(done, "prefill_tokens")) == len(user_2.token_ids)
     assert [row[0] for row in done.stats_table] == [2]
-    # Greedy: the same reply, and the page says why.
-    assert reply_2.text == two.chatbot[-1]["content"]
-    assert done.reply_note.endswith(note_html(SAME_REPLY_NOTE, kind="same"))
-    assert 'data-note="length"' in done.reply_note  # the tiny model never samples a stop token
+    assert len(reply_2.token_ids) == 8 and reply_2.text != two.chatbot[-1]["content"]
+    assert done.reply_note == note_html(  # the tiny model never samples a stop token
+        "The reply stopped at the 8-token limit (Max new tokens): raise it, or ask to continue.", kind="length"
+    )
     assert f"fork of <code>{parent}</code> at turn 2" in done.session_info
     assert opening.remembered == {"tenant": str(done.state.tenant.id), "session": fork}  # type: ignore[union-attr]
 
-    # The original is untouched and still in the picker; the fork says whose it is.
+    # The original is untouched and still in the picker; the fork is listed under it, by its own reply.
     assert _transcript(tiny_manager, parent) == before
-    labels = _labels(done)
-    assert set(labels) == {parent, fork} and done.session_picker["value"] == fork
-    assert labels[parent].startswith("Hello there · ")
-    assert labels[fork] == "↳ fork of “Hello there” at turn 2 · just now"
+    assert done.session_picker["choices"] == [
+        ("Hello there · just now", parent),
+        (f"\u2003↳ fork at turn 2: new reply “{_short(reply_2.text)}” · just now", fork),
+    ]
+    assert done.session_picker["value"] == fork
     reopened = ui.select_session(parent, done.state)
     assert reopened.chatbot == two.chatbot and reopened.state.session_id == parent
 
     tiny_manager.delete_session(LOCAL_TENANT, parent)
-    assert _labels(ui.refresh_sessions(done.state))[fork] == "↳ fork of a deleted session at turn 2 · just now"
+    assert ui.refresh_sessions(done.state).session_picker["choices"] == [
+        (f"↳ fork at turn 2 of a deleted session: new reply “{_short(reply_2.text)}” · just now", fork)
+    ]
 
 
 def test_editing_a_message_forks_before_it_and_sends_the_new_text(tiny_manager: SessionManager) -> None:
@@ -701,10 +706,18 @@ def test_editing_a_message_forks_before_it_and_sends_the_new_text(tiny_manager: 
     assert _stat(first, "turn") == "1" and _stat(first, "restored_from") == "new"
 
     assert _transcript(tiny_manager, parent) == before
-    labels = _labels(first)
-    assert set(labels) == {parent, fork_0, fork_1}
-    assert labels[fork_1].startswith("↳ fork of “Name a colour.” at turn 2 · ")
-    assert labels[fork_0].startswith("↳ fork of “Name a colour.” at turn 1 · ")
+
+    # An edit in a fork forks the fork: listed under it, one level deeper, forks of one session
+    # by their fork turn, each named by its own message.
+    nested = _edit(ui, middle.state, 2, "Name a size.")[-1]
+    fork_1_1 = nested.state.session_id
+    assert tiny_manager.session_info(LOCAL_TENANT, str(fork_1_1)).parent_id == fork_1
+    assert nested.session_picker["choices"] == [
+        ("Name a colour. · just now", parent),
+        ("\u2003↳ fork at turn 1: “Name a fruit.” · just now", fork_0),
+        ("\u2003↳ fork at turn 2: “Name a shape.” · just now", fork_1),
+        ("\u2003\u2003↳ fork at turn 2: “Name a size.” · just now", fork_1_1),
+    ]
 
 
 def test_bad_edits_and_regenerations_are_one_line_and_store_nothing(tiny_manager: SessionManager) -> None:

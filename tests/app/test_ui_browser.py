@@ -1,8 +1,9 @@
 """The real page in headless Chromium against a real server process (tiny model, local mode): two
 turns, and the second one's stats on the page show the cache was reused; Stop cancels a long reply
 and the session takes the next message at once; a reload opens the same session again; the retry
-button on the last reply opens a fork, the original still in the picker, and deleting the fork
-(after the page asks) leaves only the original; the stats table fits a 1400 px page.
+button on the last reply at Temperature 0 repeats the reply and keeps no fork, above 0 opens a
+fork listed under the original, and deleting the fork (after the page asks, naming it) leaves only
+the original; the stats table fits a 1400 px page.
 
 Chromium is the system browser (Debian `chromium`, installed by `.ci/run`); Playwright drives it by
 path and never downloads one. Without it the test is skipped with the reason shown by `-ra`.
@@ -166,6 +167,16 @@ def _send(page: Page, text: str) -> None:
     box.press("Enter")
 
 
+def _options(page: Page) -> list[str]:
+    """The picker's options, each its label's name (before ` · `, after a check mark on the chosen
+    one), with the tree's indent stripped; the list is closed again."""
+    page.locator("#session-picker input").click()
+    texts = page.get_by_role("option").all_inner_texts()
+    page.keyboard.press("Escape")
+    page.get_by_role("option").first.wait_for(state="hidden", timeout=TURN_TIMEOUT_MS)
+    return [text.splitlines()[-1].split(" · ")[0].strip() for text in texts]
+
+
 def _set_number(page: Page, elem_id: str, value: str) -> None:
     """Type `value` into a slider's number box."""
     box = page.locator(f"#{elem_id} input[type=number]")
@@ -322,29 +333,37 @@ def test_retry_on_the_last_reply_opens_a_fork_and_keeps_the_original(chromium: P
             _send(page, "Hello there")
             _stats(page, 1)
 
-            page.locator('#chat button[aria-label="Retry"]').click()
-            # Greedy decoding gives the same reply again, and the page says so once the fork's turn is stored.
+            retry = page.locator('#chat button[aria-label="Retry"]')
+            retry.click()
+            # Greedy decoding gives the same reply again: the page says so and keeps no fork.
             page.locator('#reply-note [data-note="same"]').wait_for(timeout=TURN_TIMEOUT_MS)
-            fork_label = "↳ fork of “Hello there” at turn 1"
-            assert page.locator("#session-picker input").input_value().startswith(f"{fork_label} · ")
+            assert page.locator("#session-picker input").input_value().startswith("Hello there · ")
             assert page.locator("#chat-error").inner_text().strip() == ""
-            page.locator("#session-picker input").click()
-            # An option's text is its label, after a check mark on the chosen one.
-            options = [text.splitlines()[-1].split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
-            assert sorted(options) == ["Hello there", fork_label]
-            page.keyboard.press("Escape")
-            page.get_by_role("option").first.wait_for(state="hidden", timeout=TURN_TIMEOUT_MS)
+            assert _options(page) == ["Hello there"]
 
-            # Delete the fork (open): the page asks first, then the picker keeps only the original.
+            # Sampled: another reply, on a fork listed under the original by its own reply.
+            _set_number(page, "temperature", "1")
+            retry.click()
+            fork_label = "↳ fork at turn 1: new reply “"
+            picker = page.locator("#session-picker input")
+            page.wait_for_function(
+                "prefix => document.querySelector('#session-picker input').value.trim().startsWith(prefix)",
+                arg=fork_label,
+                timeout=TURN_TIMEOUT_MS,
+            )
+            assert picker.input_value().startswith(f"\u2003{fork_label}")  # indented under its parent
+            options = _options(page)
+            assert options[0] == "Hello there" and options[1].startswith(fork_label) and len(options) == 2
+
+            # Delete the fork (open): the question names it, and the original that stays.
             page.locator("#delete-session").click()
             question = page.locator("#delete-question")
             question.wait_for(state="visible", timeout=TURN_TIMEOUT_MS)
-            assert "for good?" in question.inner_text()
+            assert question.inner_text().startswith(f"Delete the {fork_label[2:]}")
+            assert "“Hello there”, the session it was forked from, stays as it is." in question.inner_text()
             page.locator("#confirm-delete").click()
             page.locator("#delete-panel").wait_for(state="hidden", timeout=TURN_TIMEOUT_MS)
             assert page.locator("#session-info").inner_text().startswith("Deleted session s_")
-            page.locator("#session-picker input").click()
-            options = [text.splitlines()[-1].split(" · ")[0] for text in page.get_by_role("option").all_inner_texts()]
-            assert options == ["Hello there"]
+            assert _options(page) == ["Hello there"]
         finally:
             browser.close()
