@@ -35,6 +35,7 @@ from dataclasses import replace
 import torch
 
 from cache.session_cache import LayerSpan, SessionCache, span_offsets, stream_index_of
+from cache.working_cache import WorkingCache
 
 
 def evictable_ranges(cache: SessionCache, recent_tokens: int) -> list[tuple[int, int, int]]:
@@ -165,3 +166,30 @@ def _gather(
         layers=tuple(spans),
         own_stream_index=tuple(stream_index),
     )
+
+
+def carry_prefill(evicted: SessionCache, working: WorkingCache, carried_tokens: int, extra_tokens: int) -> WorkingCache:
+    """The working cache of `evicted` continued by the last `carried_tokens` slots of `working`.
+
+    One prefill per evicting turn (SnapKV, Li et al., 2024): the turn's ids were prefilled on the
+    full cache (`working`, built from the cache before eviction), so their KV saw every cached
+    token; after eviction the same KV follows the kept tokens. Each model layer's new buffer is
+    `evicted`'s working layer (base part, kept own slots; a sliding layer's tail unchanged) plus
+    those slots, so its positions continue from `evicted.next_position + carried_tokens`.
+
+    Args:
+        evicted: the cache after `evict_by_scores` on the cache `working` was built from.
+        working: that cache's working buffer after the prefill of `carried_tokens` ids.
+        carried_tokens: ids prefilled on `working`, copied over.
+        extra_tokens: room to leave after them (the rest of the prefill and the reply).
+
+    Raises:
+        ValueError: if `working` holds fewer than `carried_tokens` slots in some model layer.
+    """
+    out = evicted.to_working_cache(carried_tokens + extra_tokens)
+    for index, (old, new) in enumerate(zip(working.prealloc_layers, out.prealloc_layers, strict=True)):
+        if old.get_seq_length() < carried_tokens:
+            raise ValueError(f"model layer {index} holds {old.get_seq_length()} slots, fewer than {carried_tokens}")
+        if carried_tokens:
+            new.update(old.filled_keys[:, :, -carried_tokens:], old.filled_values[:, :, -carried_tokens:])
+    return out

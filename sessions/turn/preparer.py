@@ -213,6 +213,8 @@ class TurnPreparer:
             base_reused=cache.base_tokens,
             demoted_tokens=fitted.demoted_tokens,
             base_computed=base_computed,
+            working=fitted.working,
+            prefilled_tokens=fitted.prefilled_tokens,
         )
 
     # -- rebuild -------------------------------------------------------------------------------
@@ -322,6 +324,8 @@ class TurnPreparer:
             base_reused=base_reused,
             demoted_tokens=window.demoted_tokens + fitted.demoted_tokens,
             base_computed=base_tokens - base_reused + len(kept.ids),
+            working=fitted.working,
+            prefilled_tokens=fitted.prefilled_tokens,
         )
 
 

@@ -219,11 +219,13 @@ class TurnRunner:
         )
 
     def _request(self, prepared: PreparedTurn, params: SamplingParams, lease: Lease) -> Request:
+        working = prepared.start.working
         return Request(
             tenant_id=lease.key.tenant_id,
-            prefill_ids=prepared.prefill,
+            prefill_ids=prepared.unprefilled,
             params=params,
-            start=prepared.cache,
+            start=prepared.cache if working is None else None,
+            working=working,
             stop_token_ids=self.engine.stop_token_ids,
             accountant=self.tiers,
             reserve_kv=True,
