@@ -18,7 +18,12 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
       scores           |      | per KV head, from the last W queries of the turn's ids ---^
       working (kept)   | base | own, kept per head | turn ids but the last | last id, reply ...
 
-Only full-attention model layers evict under `attention`: a sliding-window layer holds its window
+- `agnostic` (lossy, question-agnostic): evicts like `attention`, but by scores fixed when the
+  previous turns committed (`SessionCache.own_scores`: the most attention each token received
+  from any query of the turns after it, `cache.attention_scores.QueryLog`, logged by the runner),
+  so the kept set does not depend on the next question and the window step prefills nothing.
+
+Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer holds its window
 and no more; a model without full-attention layers demotes whole turns under either policy.
 
 Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
@@ -43,8 +48,8 @@ import torch
 
 from cache.attention_scores import ObservationWindow
 from cache.session_cache import LayerSpan, SessionCache, span_offsets
-from cache.token_eviction import carry_prefill, evict_by_scores, evictable_tokens
-from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
+from cache.token_eviction import carry_prefill, evict_by_scores, evictable_tokens, stored_scores
+from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
 from cache.working_cache import WorkingCache
 from sessions.engine import Engine
 from sessions.engine.request import KVAccountant
@@ -171,7 +176,7 @@ class TurnWindow:
         Raises:
             ContextTooLong: if it cannot fit (pinned turns, base and the recent window too large).
         """
-        if self.window.policy == "attention" and cache.full_layers:
+        if self.window.policy in LOSSY_POLICIES and cache.full_layers:
             return self._evict(cache, [*closing, *turn], max_new_tokens)
         window = self.plan_layers(cache.layers, cache.base_tokens, len(closing), len(turn), max_new_tokens)
         last = cache.layers[-1].original_start if cache.layers else None
@@ -188,6 +193,10 @@ class TurnWindow:
         evictable = evictable_tokens(cache, self.window.recent_tokens)
         if excess > evictable:
             raise ContextTooLong(needed - evictable, self.window.budget_tokens, reply_tokens=max_new_tokens)
+        if self.window.policy == "agnostic":  # scores fixed at commit: no prefill, only the gather
+            started = time.perf_counter()
+            evicted = evict_by_scores(cache, stored_scores(cache), excess, self.window.recent_tokens)
+            return FittedWindow(evicted, excess, False, 0.0, time.perf_counter() - started)
         if len(prefill) < 2:  # nothing to prefill ahead of the request's own last id: score on a copy
             started = time.perf_counter()
             scores = self.score(cache, prefill)
