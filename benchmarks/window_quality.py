@@ -1,6 +1,8 @@
-"""Window policies compared (issue 13): `turns` (whole oldest turns demoted) against `attention` (tokens
-evicted per KV head by the attention of the new turn's last queries, SnapKV-style), on the real
-default model, greedy.
+"""Window policies compared (issues 13, 31): `turns` (whole oldest turns demoted) against `attention`
+(tokens evicted per KV head by the attention of the new turn's last queries, SnapKV-style) and
+`agnostic` (the same eviction by scores fixed when the earlier turns committed), on the real default
+model, greedy. The replay logs every turn's queries and commits `agnostic`'s scores, as chatkv's
+runner does under that policy.
 
 Each conversation is first run through chatkv with an unbounded window (the reference: exact cache,
 its greedy replies). Then, for each policy and context budget, the same conversation (the
@@ -18,8 +20,8 @@ as chatkv's manager does; a 2-token difference per layer boundary.)
 2. Quality at equal cache size: `--conversations` (20) long conversations (`--turns` 5 turns of
    ~60-token paragraphs and questions, 16-token replies). The last reply of the reference is fed
    after each policy's cache: top-1 agreement of the next-token argmax with the reference and
-   mean KL(reference || policy) over the reply's positions, at budgets of 25/50/75% of the full
-   length (and 37.5/62.5/87.5% for the curve).
+   mean KL(reference || policy) over the reply's positions, at budgets of 10/25/50/75% of the full
+   length.
    Since `turns` drops whole turns it often holds far fewer tokens than the budget, so each
    policy's *actual* cache size (tokens held when the last turn starts) is reported, and the cache
    size each policy needs for 95% top-1 agreement is interpolated on its own curve of agreement
@@ -47,8 +49,10 @@ import torch
 from _common import PARAGRAPHS, QUESTIONS, base_parser, open_manager, print_header, print_table, setup, temp_dir
 from _common import write_json as write_json_file
 
+from cache.attention_scores import QueryLog
 from cache.ids import PrefixKey
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.token_eviction import committed_scores
 from cache.window_policy import WindowPolicy
 from cache.working_cache import WorkingCache
 from sessions.engine import Engine
@@ -57,9 +61,9 @@ from sessions.sampling import SamplingParams
 from sessions.turn.window import FittedWindow, TurnWindow
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
-POLICIES = ("turns", "attention")
-FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
-REPORTED = (0.25, 0.5, 0.75)
+POLICIES = ("turns", "attention", "agnostic")
+FRACTIONS = (0.1, 0.25, 0.5, 0.75)
+REPORTED = FRACTIONS
 FACTS = (
     ("order number", ("48213", "77530", "19064", "62871", "30495")),
     ("name", ("Marguerite", "Tobias", "Ingrid", "Oswaldo", "Priyanka")),
@@ -120,6 +124,7 @@ class Replayed:
     eviction_s: list[float]
     plain_s: list[float]
     turn_s: list[float]  # evicting turns: window step plus the prefill of the turn's ids and reply
+    commit_s: list[float]  # every turn: the `agnostic` commit-time scores from the logged queries
     snapshots: list[tuple[SessionCache, int]]  # (cache before turn i, its stream length), unbounded runs
 
     @property
@@ -148,7 +153,7 @@ def replay(
             if snapshot.total_tokens + len(user) + max_new > window.budget_tokens:
                 break
             cache, stream, first = snapshot, length, index
-    timings: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
+    timings: tuple[list[float], list[float], list[float], list[float], list[float]] = ([], [], [], [], [])
     snapshots: list[tuple[SessionCache, int]] = []
 
     def fit(cache: SessionCache, user: tuple[int, ...]) -> FittedWindow:
@@ -170,10 +175,15 @@ def replay(
         fed = (*user, *reply[:-1])
         span = LayerSpan(LayerKind.TURN, index, len(fed), stream, fitted.cache.next_position)
         working = working_of(fitted, len(fed))
-        engine.prefill(working, fed[fitted.prefilled_tokens :])
+        with QueryLog(working) as log:  # every policy's cache carries `agnostic`'s commit-time scores
+            engine.prefill(working, fed[fitted.prefilled_tokens :])
         if fitted.demoted_tokens:
             timings[3].append(time.perf_counter() - started - (timings[2][-1] if time_plain else 0.0))
         cache = fitted.cache.after_turn(working, fed, [span])
+        if cache.full_layers:
+            committing = time.perf_counter()
+            cache = cache.with_scores(committed_scores(fitted.cache, cache, log.turn_scores()))
+            timings[4].append(time.perf_counter() - committing)
         stream += len(fed)
     snapshots.append((cache, stream))
     return Replayed(fit(cache, conv.final_user), *timings, snapshots)
@@ -232,8 +242,14 @@ def contains(reply: str, fact: str) -> bool:
 
 
 def run_recall(engine: Engine, manager: Any, tenant: Any, count: int, budget: int, recent: int) -> dict[str, Any]:
-    hits = {"unbounded": 0, "turns": 0, "attention": 0, "replay_unbounded": 0, "replay_checked": 0}
-    timings: dict[str, list[float]] = {"scoring": [], "eviction": [], "plain": [], "turns": [], "attention": []}
+    hits = {"unbounded": 0, "replay_unbounded": 0, "replay_checked": 0, **dict.fromkeys(POLICIES, 0)}
+    timings: dict[str, list[float]] = {
+        "scoring": [],
+        "eviction": [],
+        "plain": [],
+        "commit": [],
+        **{p: [] for p in POLICIES},
+    }
     sizes: dict[str, list[int]] = {p: [] for p in POLICIES}
     max_new = 16
     for c in range(count):
@@ -256,6 +272,7 @@ def run_recall(engine: Engine, manager: Any, tenant: Any, count: int, budget: in
             hits[policy] += found
             sizes[policy].append(replayed.cache.total_tokens)
             timings[policy] += replayed.turn_s
+            timings["commit"] += replayed.commit_s
             if policy == "attention":
                 timings["scoring"] += replayed.scoring_s
                 timings["eviction"] += replayed.eviction_s
@@ -350,7 +367,7 @@ def main() -> None:
     quality_count = args.conversations or (4 if args.quick else 20)
     engine = setup(args)
     print_header(
-        "window_quality: window_policy turns vs attention (SnapKV-style eviction per KV head)",
+        "window_quality: window_policy turns vs attention (SnapKV-style) vs agnostic (commit-time scores)",
         engine,
         [
             f"recall: {recall_count} conversations, budget {args.recall_budget} tokens; quality: {quality_count} "
@@ -375,13 +392,7 @@ def main() -> None:
         ["window", "replies with the fact", "share", "mean cache tokens at the question"],
         [
             ["unbounded (chatkv, exact)", f"{hits['unbounded']} of {n}", f"{hits['unbounded'] / n:.0%}", "-"],
-            ["turns", f"{hits['turns']} of {n}", f"{hits['turns'] / n:.0%}", f"{_mean(recall['sizes']['turns']):.0f}"],
-            [
-                "attention",
-                f"{hits['attention']} of {n}",
-                f"{hits['attention'] / n:.0%}",
-                f"{_mean(recall['sizes']['attention']):.0f}",
-            ],
+            *[[p, f"{hits[p]} of {n}", f"{hits[p] / n:.0%}", f"{_mean(recall['sizes'][p]):.0f}"] for p in POLICIES],
         ],
     )
     print(
@@ -395,12 +406,16 @@ def main() -> None:
         for policy in POLICIES:
             p = summary[policy][fraction]
             row += [f"{p['size']:.0f}", f"{p['top1']:.1%}", f"{p['kl']:.3f}"]
-        row.append(str(quality["refused"]["attention"][fraction]))
+        row.append(", ".join(str(quality["refused"][p][fraction]) for p in POLICIES[1:]))
         rows.append(row)
     print_table(
         f"Next-reply quality against the unbounded cache ({quality_count} conversations, mean full length "
         f"{quality['mean_full_tokens']:.0f} tokens; * = the 25/50/75% budgets)",
-        ["budget", "turns: cache tok", "top-1", "KL", "attention: cache tok", "top-1", "KL", "no recent window"],
+        [
+            "budget",
+            *[h for p in POLICIES for h in (f"{p}: cache tok", "top-1", "KL")],
+            "no recent window (" + ", ".join(POLICIES[1:]) + ")",
+        ],
         rows,
     )
     print(
@@ -417,38 +432,28 @@ def main() -> None:
     cells = [f"{needed[p]:.0f} tokens" if needed[p] is not None else "not reached" for p in POLICIES]
     print_table(
         "Cache size for 95% top-1 agreement (interpolated on each policy's agreement vs actual size)",
-        ["turns", "attention", "attention saves"],
-        [[*cells, _saving(needed["turns"], needed["attention"])]],
+        [*POLICIES, *(f"{p} saves" for p in POLICIES[1:])],
+        [[*cells, *(_saving(needed["turns"], needed[p]) for p in POLICIES[1:])]],
     )
     t = recall["timings"]
     if t["scoring"]:
         plain = _mean(t["plain"]) if t["plain"] else None
-        ratio = _mean(t["attention"]) / _mean(t["turns"]) if t["turns"] else None
+        ratio = {p: _mean(t[p]) / _mean(t["turns"]) if t["turns"] else None for p in POLICIES}
         print_table(
-            f"Cost of an evicting turn (recall part; {len(t['attention'])} attention, {len(t['turns'])} turns "
-            "evicting turns)",
-            [
-                "attention turn (window step + prefill)",
-                "of which observed prefill",
-                "gather + carry",
-                "turns turn (window step + prefill)",
-                "attention / turns",
-                "plain prefill of the user ids",
-            ],
-            [
-                [
-                    f"{_mean(t['attention']) * 1000:.1f} ms",
-                    f"{_mean(t['scoring']) * 1000:.1f} ms",
-                    f"{_mean(t['eviction']) * 1000:.1f} ms",
-                    f"{_mean(t['turns']) * 1000:.1f} ms",
-                    "-" if ratio is None else f"{ratio:.2f}x",
-                    "-" if plain is None else f"{plain * 1000:.1f} ms ({len(t['plain'])} turns)",
-                ]
-            ],
+            "Cost of an evicting turn (recall part; " + ", ".join(f"{len(t[p])} {p}" for p in POLICIES) + " turns)",
+            ["policy", "evicting turn (window step + prefill)", "vs turns"],
+            [[p, f"{_mean(t[p]) * 1000:.1f} ms", "-" if ratio[p] is None else f"{ratio[p]:.2f}x"] for p in POLICIES],
+        )
+        print(
+            f"attention's observed prefill {_mean(t['scoring']) * 1000:.1f} ms, gather + carry "
+            f"{_mean(t['eviction']) * 1000:.1f} ms; a plain prefill of the user ids on the full cache "
+            + ("-" if plain is None else f"{plain * 1000:.1f} ms ({len(t['plain'])} turns)")
+            + f"; agnostic's commit-time scores {_mean(t['commit']) * 1000:.1f} ms per turn (after the reply)"
         )
         print(
             "a turn here: the window step and the prefill of the turn's user ids and its (teacher-forced) reply; "
-            "an attention turn prefills its ids once, on the full cache, then evicts (SnapKV-style)"
+            "an attention turn prefills its ids once, on the full cache, then evicts (SnapKV-style); an agnostic "
+            "turn only gathers by its stored scores"
         )
     print(f"total run time {time.perf_counter() - started:.0f} s")
     write_json_file(args.json, {"benchmark": "window_quality", "recall": recall, "quality": quality}, engine)

@@ -4,6 +4,7 @@ cache; a restored cache without scores evicts by recency; no eviction, no differ
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from cache.session_cache import SessionCache
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from tests.conftest import make_settings
+from tests.sessions.offload_helpers import reference_reply
 
 SYSTEM = "You answer in one short sentence."
 MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
@@ -119,3 +121,77 @@ def test_without_eviction_every_policy_gives_the_same_replies(tmp_path: Path, ti
             assert all(r.stats.demoted_tokens == 0 for r in out)
             replies[policy] = [r.token_ids for r in out]
     assert replies["agnostic"] == replies["turns"] == replies["attention"]
+
+
+def test_an_unevicted_agnostic_parent_forks_warm_and_exact_with_its_scores_cut(
+    tmp_path: Path, tiny_engine: Engine
+) -> None:
+    with open_manager(tmp_path / "home", tiny_engine, context_budget_tokens=4000) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:3]:
+            manager.chat(tenant, parent, message, max_new_tokens=8)
+        fork = manager.fork(tenant, parent, 2)
+        expected = reference_reply(manager, tenant, fork, MESSAGES[5], 8)
+        reply = manager.chat(tenant, fork, MESSAGES[5], max_new_tokens=8)
+        assert reply.stats.restored_from == "device" and reply.stats.reused_tokens > 0
+        assert reply.token_ids == expected
+        cache = cache_of(manager, tenant, fork)
+        assert cache.own_scores is not None  # the prefix's scores, cut to it, then this turn's
+
+
+@pytest.mark.parametrize("policy", ["attention", "agnostic"])
+def test_an_evicted_parent_is_forked_by_rebuilding_exactly(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
+    with open_manager(tmp_path / "home", tiny_engine, window_policy=policy, window_observation_tokens=8) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:7]:
+            manager.chat(tenant, parent, message, max_new_tokens=8)
+        assert cache_of(manager, tenant, parent).evicted_tokens > 0
+        fork = manager.fork(tenant, parent, 2)  # its two turns fit the budget: no eviction, exact
+        expected = reference_reply(manager, tenant, fork, MESSAGES[8], 8)
+        reply = manager.chat(tenant, fork, MESSAGES[8], max_new_tokens=8)
+        assert reply.stats.restored_from == "rebuilt" and reply.stats.demoted_tokens == 0
+        assert reply.token_ids == expected
+
+
+@pytest.mark.parametrize("policy", ["attention", "agnostic"])
+def test_sessions_evicting_at_once_reply_as_they_do_alone(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
+    """Four sessions evicting while the engine loop packs their steps together: each keeps its
+    own query log and observation window, and replies as when it runs alone."""
+
+    def converse(manager: SessionManager, tenant: str, offset: int, out: dict[int, list[tuple[int, ...]]]) -> None:
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        messages = MESSAGES[offset:] + MESSAGES[:offset]
+        out[offset] = [manager.chat(tenant, sid, m, max_new_tokens=8).token_ids for m in messages[:7]]
+
+    alone: dict[int, list[tuple[int, ...]]] = {}
+    together: dict[int, list[tuple[int, ...]]] = {}
+    with open_manager(tmp_path / "alone", tiny_engine, window_policy=policy) as manager:
+        tenant = manager.create_tenant("acme").id
+        for offset in range(4):
+            converse(manager, tenant, offset, alone)
+    packed = LargestStep()
+    tiny_engine.loop.add_observer(packed)
+    try:
+        with open_manager(tmp_path / "together", tiny_engine, window_policy=policy) as manager:
+            tenant = manager.create_tenant("acme").id
+            threads = [threading.Thread(target=converse, args=(manager, tenant, o, together)) for o in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        tiny_engine.loop.remove_observer(packed)
+    assert together == alone
+    assert packed.requests > 1  # the loop did run them together
+
+
+class LargestStep:
+    """The most requests one engine step ran (a `StepObserver`)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def step(self, requests: int, tokens: int, forward_s: float) -> None:
+        self.requests = max(self.requests, requests)
