@@ -304,6 +304,7 @@ def run_quality(engine: Engine, manager: Any, tenant: Any, count: int, turns: in
     }
     full_sizes = []
     refused = {p: dict.fromkeys(FRACTIONS, 0) for p in POLICIES}
+    impossible = {p: dict.fromkeys(FRACTIONS, 0) for p in POLICIES}
     for c in range(count):
         began = time.perf_counter()
         conv = reference(manager, tenant, quality_messages(engine, c, turns), [reply_tokens] * turns)
@@ -321,10 +322,15 @@ def run_quality(engine: Engine, manager: Any, tenant: Any, count: int, turns: in
                     fitted = replay(engine, base, conv, window, reply_tokens, unbounded=unbounded).fitted
                 except ContextTooLong:
                     # The recent window is never evicted: with it, the turn does not fit this budget
-                    # (chatkv refuses such a turn). Measured again without a recent window, and counted.
+                    # (chatkv refuses such a turn). Measured again without a recent window, and counted;
+                    # a budget below one turn's prompt fits no policy and is left out (counted too).
                     refused[policy][fraction] += 1
                     window = WindowPolicy(int(full * fraction), policy=policy, recent_tokens=0)
-                    fitted = replay(engine, base, conv, window, reply_tokens, unbounded=unbounded).fitted
+                    try:
+                        fitted = replay(engine, base, conv, window, reply_tokens, unbounded=unbounded).fitted
+                    except ContextTooLong:
+                        impossible[policy][fraction] += 1
+                        continue
                 logp = forced_log_probs(engine, fitted, conv.final_user, conv.final_reply)
                 cache = fitted.cache
                 kl = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
@@ -338,10 +344,16 @@ def run_quality(engine: Engine, manager: Any, tenant: Any, count: int, turns: in
                     line.append(f"{policy}@{fraction:.0%} {cache.total_tokens} tok top1 {top1:.2f}")
         print(", ".join(line) + f" ({time.perf_counter() - began:.1f} s)", flush=True)
     summary = {
-        p: {f: {k: v / points[p][f]["n"] for k, v in points[p][f].items() if k != "n"} for f in FRACTIONS}
+        p: {f: {k: v / max(1.0, points[p][f]["n"]) for k, v in points[p][f].items() if k != "n"} for f in FRACTIONS}
         for p in POLICIES
     }
-    return {"summary": summary, "mean_full_tokens": sum(full_sizes) / len(full_sizes), "refused": refused}
+    return {
+        "summary": summary,
+        "mean_full_tokens": sum(full_sizes) / len(full_sizes),
+        "refused": refused,
+        "impossible": impossible,
+        "measured": {p: {f: points[p][f]["n"] for f in FRACTIONS} for p in POLICIES},
+    }
 
 
 def size_for(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -407,6 +419,7 @@ def main() -> None:
             p = summary[policy][fraction]
             row += [f"{p['size']:.0f}", f"{p['top1']:.1%}", f"{p['kl']:.3f}"]
         row.append(", ".join(str(quality["refused"][p][fraction]) for p in POLICIES[1:]))
+        row.append(", ".join(f"{quality['measured'][p][fraction]:.0f}" for p in POLICIES))
         rows.append(row)
     print_table(
         f"Next-reply quality against the unbounded cache ({quality_count} conversations, mean full length "
@@ -415,6 +428,7 @@ def main() -> None:
             "budget",
             *[h for p in POLICIES for h in (f"{p}: cache tok", "top-1", "KL")],
             "no recent window (" + ", ".join(POLICIES[1:]) + ")",
+            "measured (" + ", ".join(POLICIES) + ")",
         ],
         rows,
     )
@@ -427,7 +441,8 @@ def main() -> None:
     full = quality["mean_full_tokens"]
     needed = {}
     for policy in POLICIES:
-        curve = [(summary[policy][f]["size"], summary[policy][f]["top1"]) for f in FRACTIONS] + [(full, 1.0)]
+        measured = [f for f in FRACTIONS if quality["measured"][policy][f]]
+        curve = [(summary[policy][f]["size"], summary[policy][f]["top1"]) for f in measured] + [(full, 1.0)]
         needed[policy] = size_for(curve, 0.95)
     cells = [f"{needed[p]:.0f} tokens" if needed[p] is not None else "not reached" for p in POLICIES]
     print_table(

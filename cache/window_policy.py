@@ -64,7 +64,7 @@ class WindowPolicy:
         policy: `turns` (exact per layer: whole oldest turns go, `plan`), `attention` (lossy:
             tokens of unpinned turn layers are evicted by importance to the new turn, per KV head:
             `cache.token_eviction`; the rebuild path demotes whole turns only until the turn
-            fits half-way to the model's position limit, then evicts: `sessions/turn/preparer.py`)
+            fits 1.25x the budget, then evicts: `sessions/turn/preparer.py`)
             or `agnostic` (lossy, the same eviction by scores fixed when earlier turns committed,
             whatever is asked next: `sessions/turn/window.py`; its rebuild demotes whole turns).
         recent_tokens: under `attention` and `agnostic`, most recent own tokens never evicted.

@@ -23,13 +23,15 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
   from any query of the turns after it, `cache.attention_scores.QueryLog`, logged by the runner),
   so the kept set does not depend on the next question and the window step prefills nothing.
 
-Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer holds its window
-and no more; a model without full-attention layers demotes whole turns under either policy.
+Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer
+holds its window and no more (never scored past it); a model without full-attention layers demotes
+whole turns under every policy.
 
-Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
-positions would pass the model's position limit takes the rebuild path instead
-(`positions_overflow`), which under `attention` prefills the kept past at contiguous positions
-and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in `sessions/turn/preparer.py`).
+Kept keys keep their positions under the lossy policies, so positions outgrow the cache; a turn
+whose positions would pass the model's position limit takes the rebuild path instead
+(`positions_overflow`), which under `attention` prefills the kept past (at most 1.25x the budget)
+at contiguous positions and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in
+`sessions/turn/preparer.py`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with

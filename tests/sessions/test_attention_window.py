@@ -227,9 +227,13 @@ def test_a_rebuild_without_a_stored_cache_evicts_by_attention(tmp_path: Path, ti
         reply = manager.chat(tenant, sid, MESSAGES[6], max_new_tokens=8)
         cache = cache_of(manager, tenant.id, sid)
     assert reply.stats.restored_from == "rebuilt"
-    assert [span.turn_index for span in cache.layers] == list(range(7))  # no whole turn dropped
+    # Whole oldest turns went only down to the budget plus a quarter of it (what the rebuild
+    # prefills and holds, whatever the conversation's length); the rest was evicted by attention.
+    assert [span.turn_index for span in cache.layers] == list(range(1, 7))
+    spanned = cache.base_tokens + sum(span.original_tokens for span in cache.layers)
+    assert BUDGET < spanned <= BUDGET + BUDGET // 4
     assert cache.evicted_tokens > 0 and cache.total_tokens <= BUDGET
-    assert reply.stats.demoted_tokens == cache.evicted_tokens
+    assert reply.stats.demoted_tokens > cache.evicted_tokens  # turn 0 as a whole, then by attention
 
 
 def test_a_turn_that_cannot_fit_beside_the_recent_window_is_refused(tmp_path: Path, tiny_engine: Engine) -> None:
