@@ -195,3 +195,20 @@ class LargestStep:
 
     def step(self, requests: int, tokens: int, forward_s: float) -> None:
         self.requests = max(self.requests, requests)
+
+
+def test_a_pinned_turn_is_never_evicted(tmp_path: Path, tiny_engine: Engine) -> None:
+    with open_manager(tmp_path / "home", tiny_engine, pin_first_turn=True) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:9]:
+            manager.chat(tenant, sid, message, max_new_tokens=8)
+        cache = cache_of(manager, tenant.id, sid)
+    pinned = cache.layers[0]
+    assert pinned.turn_index == 0 and pinned.pinned and pinned.evicted_tokens == 0
+    assert cache.evicted_tokens > 0
+    index = cache.own_stream_index
+    assert index is not None
+    first = pinned.original_start
+    for per_layer in index:  # every head holds every token of the pinned turn
+        assert (per_layer[:, : pinned.token_count] == torch.arange(first, first + pinned.token_count)).all()
