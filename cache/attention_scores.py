@@ -17,6 +17,9 @@ is computed here against the cached keys, for `window_tokens` queries per model 
     working cache (one model layer)   | cached tokens ........................ | new turn's prefill    |
     queries captured                                                            |   ...  | last W     |
     scores                            | sum over W, over each KV group's query heads; max-pooled       |
+
+The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill and reply, the last
+1,024 per model layer) and scores the whole buffer when the turn commits (KVzip-style max, below).
 """
 
 from __future__ import annotations
@@ -126,6 +129,14 @@ QUERY_LOG_TOKENS = 1024
 class QueryLog(ObservationWindow):
     """Captures the query states of every full-attention model layer while a whole turn runs
     (its prefill chunks and decode steps), for the `agnostic` window policy's commit-time scores.
+
+    KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+    NeurIPS 2025) scores each KV pair by the most attention it receives while the model repeats
+    its context, a score no later question changes. This is a cheaper approximation that costs no
+    extra pass: the queries the conversation itself ran (each turn's prompt and reply) stand in for
+    the reconstruction's, and a pair's score is the most attention any of them paid it (KVzip's max
+    over queries and the query heads of a KV group), accumulated as turns commit
+    (`cache.token_eviction.committed_scores`).
 
     Attach to the turn's working cache before it is submitted (`with` block), `turn_scores` after
     it finished. At most

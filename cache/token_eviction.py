@@ -19,6 +19,10 @@ ragged tensors or padding).
     evictable                           |<------------------------->|
     kept                  | t0          | t1: top k1    | t2: top k2    | t3          |
 
+The `agnostic` policy evicts the same way by scores fixed when the earlier turns committed
+(`committed_scores`, `stored_scores`; KVzip's question-agnostic scoring approximated from the
+conversation's own queries: `cache.attention_scores.QueryLog`).
+
 Kept keys keep their RoPE positions (no re-rotation): they were rotated at the position they had
 when computed, so each one's distance to a new query, whose position continues from
 `SessionCache.next_position`, is the true distance in the conversation, exactly as when the keys
