@@ -17,6 +17,9 @@ is computed here against the cached keys, for `window_tokens` queries per model 
     working cache (one model layer)   | cached tokens ........................ | new turn's prefill    |
     queries captured                                                            |   ...  | last W     |
     scores                            | sum over W, over each KV group's query heads; max-pooled       |
+
+The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill and reply, the last
+1,024 per model layer) and scores the whole buffer when the turn commits (KVzip-style max, below).
 """
 
 from __future__ import annotations
@@ -117,3 +120,95 @@ def _layer_scores(
     if pool_kernel > 1 and cached_tokens > 0:
         weights = F.max_pool1d(weights[:, None], pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0]
     return weights.to("cpu")
+
+
+QUERY_LOG_TOKENS = 1024
+"""Queries a `QueryLog` keeps per model layer (the most recent): bounds its memory on a long rebuild."""
+
+
+class QueryLog(ObservationWindow):
+    """Captures the query states of every full-attention model layer while a whole turn runs
+    (its prefill chunks and decode steps), for the `agnostic` window policy's commit-time scores.
+
+    KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+    NeurIPS 2025) scores each KV pair by the most attention it receives while the model repeats
+    its context, a score no later question changes. This is a cheaper approximation that costs no
+    extra pass: the queries the conversation itself ran (each turn's prompt and reply) stand in for
+    the reconstruction's, and a pair's score is the most attention any of them paid it (KVzip's max
+    over queries and the query heads of a KV group), accumulated as turns commit
+    (`cache.token_eviction.committed_scores`).
+
+    Attach to the turn's working cache before it is submitted (`with` block), `turn_scores` after
+    it finished. At most
+    the last `keep_tokens` queries per model layer are kept, `[1, heads, <= keep_tokens, head_dim]`
+    in the model's dtype (after RoPE). The packed attention calls the observers from the engine
+    loop's thread; `scores` is read on the caller's thread once the request's result arrived.
+
+    Raises:
+        ValueError: if `keep_tokens < 1`.
+    """
+
+    def __init__(self, working: WorkingCache, keep_tokens: int = QUERY_LOG_TOKENS) -> None:
+        super().__init__(working, keep_tokens)
+        self._chunks: list[list[torch.Tensor]] = [[] for _ in self._layers]
+        self._fed = [0] * len(self._layers)
+        self._start = [layer.get_seq_length() for layer in self._layers]
+
+    def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
+        def capture(query: torch.Tensor, scaling: float | None) -> None:
+            if self._layers[index].window is not None:
+                return
+            chunks = self._chunks[index]
+            self._fed[index] += query.shape[2]
+            chunks.append(query.clone())  # a decode step's one query: no copy of the log per step
+            if sum(c.shape[2] for c in chunks) > 2 * self.window_tokens:
+                chunks[:] = [torch.cat(chunks, dim=2)[:, :, -self.window_tokens :]]
+            self._scaling = scaling
+
+        return capture
+
+    def _logged(self, index: int) -> torch.Tensor | None:
+        chunks = self._chunks[index]
+        return torch.cat(chunks, dim=2)[:, :, -self.window_tokens :] if chunks else None
+
+    def turn_scores(self) -> tuple[torch.Tensor, ...]:
+        """Per full-attention model layer, `[kv_heads, filled]` float32 on the CPU: the most
+        attention each slot of the layer's buffer received from any logged query of the turn,
+        over the query heads sharing each KV head; causal (a query sees the slots up to its own).
+        Queries of slots cropped off the buffer after they were fed (a reply cut by a stop string)
+        are dropped.
+
+        Raises:
+            RuntimeError: if a full model layer captured no query (the turn did not run).
+        """
+        out = []
+        for index, layer in enumerate(self._layers):
+            if layer.window is not None:
+                continue
+            query = self._logged(index)
+            if query is None:
+                raise RuntimeError(f"bug: model layer {index} captured no query states")
+            cropped = self._start[index] + self._fed[index] - layer.get_seq_length()
+            query = query[:, :, : max(0, query.shape[2] - cropped)]
+            out.append(_max_attention(query, layer.filled_keys, self._scaling))
+        return tuple(out)
+
+
+def _max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """`query [1, heads, w, d]` (the last `w` slots of `keys [1, kv_heads, t, d]`) -> `[kv_heads, t]`
+    float32 on the CPU: each slot's largest attention weight over the queries and grouped heads."""
+    heads, window, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    best = torch.zeros(kv_heads, total, device=keys.device)
+    k = keys[0].float().transpose(1, 2)  # [kv, d, t]
+    for first in range(0, window, 256):  # chunks of queries bound the [kv, g * n, t] product
+        q = query[0, :, first : first + 256].float()
+        n = q.shape[1]
+        logits = torch.bmm(q.reshape(kv_heads, groups * n, head_dim), k) * scale
+        rows = torch.arange(total - window + first, total - window + first + n, device=keys.device)
+        visible = torch.arange(total, device=keys.device)[None, :] <= rows[:, None]  # [n, t]
+        logits = logits.view(kv_heads, groups, n, total).masked_fill(~visible, float("-inf"))
+        best = torch.maximum(best, logits.softmax(dim=-1).amax(dim=(1, 2)))
+    return best.to("cpu")

@@ -178,6 +178,11 @@ class SessionCache:
     windows: tuple[int | None, ...] = ()
     """Per model layer, the sliding window W of a sliding-window layer (it holds its tail, see the
     module docstring) or `None` for a full-attention layer; empty: every layer is full."""
+    own_scores: tuple[torch.Tensor, ...] | None = field(default=None, compare=False)
+    """Importance of the held own tokens under the `agnostic` window policy (`cache.attention_scores.
+    QueryLog`): per full-attention model layer (`full_layers` order) a `[kv_heads, own_tokens]`
+    float32 CPU tensor, accumulated when turns commit; `None` when not scored (another policy, or
+    a cache restored from a blob, which does not store them)."""
 
     def __post_init__(self) -> None:
         if sum(span.original_tokens for span in self.layers) != len(self.own_token_ids):
@@ -205,6 +210,11 @@ class SessionCache:
             raise RuntimeError("bug: stream index does not cover the held tokens")
         if self.base is not None and self.base.key != self.base_key:
             raise RuntimeError(f"bug: attached base {self.base.key} is not {self.base_key}")
+        if self.own_scores is not None:
+            shapes = [tuple(t.shape) for t in self.own_scores]
+            wanted = [(self.own_keys[i].shape[1], self.own_keys[i].shape[-2]) for i in self.full_layers]
+            if shapes != wanted:
+                raise RuntimeError(f"bug: own scores {shapes} do not cover the held tokens {wanted}")
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -391,6 +401,7 @@ class SessionCache:
             own_token_ids=self.own_token_ids + tuple(appended_token_ids),
             layers=(*kept, *spans),
             own_stream_index=stream_index,
+            own_scores=None,  # the turn's own scores are added by the caller that logged its queries
             transcript_digest=self.transcript_digest if transcript_digest is None else transcript_digest,
             rendering_digest=self.rendering_digest if rendering_digest is None else rendering_digest,
         )
@@ -411,6 +422,14 @@ class SessionCache:
         boundary = self.next_position if end - self.next_position <= window - 1 else end
         keep_from = max(self.base_tokens, boundary - (window - 1))
         return max(0, keep_from - (end - layer.get_seq_length()))
+
+    def with_scores(self, own_scores: Sequence[torch.Tensor] | None) -> SessionCache:
+        """Same cache with `own_scores` set (or dropped, with `None`); shapes as the field says.
+
+        Raises:
+            RuntimeError: if the scores do not cover the held tokens of every full layer.
+        """
+        return replace(self, own_scores=None if own_scores is None else tuple(own_scores))
 
     def replace_layers(self, layers: Sequence[LayerSpan]) -> SessionCache:
         """Same tensors with an edited layer table (pinning, precision marks)."""
@@ -461,6 +480,7 @@ class SessionCache:
             own_values=tuple(v[:, :, s] for v, s in zip(self.own_values, slices, strict=True)),
             own_token_ids=self.own_token_ids[:held],
             layers=tuple(layers),
+            own_scores=None if self.own_scores is None else tuple(t[:, :held] for t in self.own_scores),
             transcript_digest=transcript_digest,
             rendering_digest=rendering_digest,
         )

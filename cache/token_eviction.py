@@ -19,6 +19,10 @@ ragged tensors or padding).
     evictable                           |<------------------------->|
     kept                  | t0          | t1: top k1    | t2: top k2    | t3          |
 
+The `agnostic` policy evicts the same way by scores fixed when the earlier turns committed
+(`committed_scores`, `stored_scores`; KVzip's question-agnostic scoring approximated from the
+conversation's own queries: `cache.attention_scores.QueryLog`).
+
 Kept keys keep their RoPE positions (no re-rotation): they were rotated at the position they had
 when computed, so each one's distance to a new query, whose position continues from
 `SessionCache.next_position`, is the true distance in the conversation, exactly as when the keys
@@ -30,11 +34,13 @@ the transcript (`sessions.turn.window`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
 from cache.session_cache import LayerSpan, SessionCache, span_offsets, stream_index_of
+from cache.working_cache import WorkingCache
 
 
 def evictable_ranges(cache: SessionCache, recent_tokens: int) -> list[tuple[int, int, int]]:
@@ -158,10 +164,85 @@ def _gather(
         spans[position] = replace(
             span, token_count=span.token_count - dropped, evicted_tokens=span.evicted_tokens + dropped
         )
+    scores = None
+    if cache.own_scores is not None:
+        scores = tuple(torch.gather(s, 1, slots[row]) for row, s in enumerate(cache.own_scores))
     return replace(
         cache,
         own_keys=tuple(keys),
         own_values=tuple(values),
         layers=tuple(spans),
         own_stream_index=tuple(stream_index),
+        own_scores=scores,
     )
+
+
+def carry_prefill(evicted: SessionCache, working: WorkingCache, carried_tokens: int, extra_tokens: int) -> WorkingCache:
+    """The working cache of `evicted` continued by the last `carried_tokens` slots of `working`.
+
+    One prefill per evicting turn (SnapKV, Li et al., 2024): the turn's ids were prefilled on the
+    full cache (`working`, built from the cache before eviction), so their KV saw every cached
+    token; after eviction the same KV follows the kept tokens. Each model layer's new buffer is
+    `evicted`'s working layer (base part, kept own slots; a sliding layer's tail unchanged) plus
+    those slots, so its positions continue from `evicted.next_position + carried_tokens`.
+
+    Args:
+        evicted: the cache after `evict_by_scores` on the cache `working` was built from.
+        working: that cache's working buffer after the prefill of `carried_tokens` ids.
+        carried_tokens: ids prefilled on `working`, copied over.
+        extra_tokens: room to leave after them (the rest of the prefill and the reply).
+
+    Raises:
+        ValueError: if `working` holds fewer than `carried_tokens` slots in some model layer.
+    """
+    out = evicted.to_working_cache(carried_tokens + extra_tokens)
+    for index, (old, new) in enumerate(zip(working.prealloc_layers, out.prealloc_layers, strict=True)):
+        if old.get_seq_length() < carried_tokens:
+            raise ValueError(f"model layer {index} holds {old.get_seq_length()} slots, fewer than {carried_tokens}")
+        if carried_tokens:
+            new.update(old.filled_keys[:, :, -carried_tokens:], old.filled_values[:, :, -carried_tokens:])
+    return out
+
+
+def stored_scores(cache: SessionCache) -> torch.Tensor:
+    """`[full_model_layers, kv_heads, cache.total_tokens]` float32 importance for `evict_by_scores`
+    under the `agnostic` policy, fixed before the next question is known: the scores accumulated
+    when the turns committed (`SessionCache.own_scores`), or, for a cache without them (restored
+    from a blob, rebuilt, forked), each token's stream index, so the newest are kept (the recency
+    of StreamingLLM, Xiao et al., 2023) until the next turns score them. The base part is zero (the
+    base is never evicted)."""
+    rows = []
+    for row, layer in enumerate(cache.full_layers):
+        kv_heads = cache.own_keys[layer].shape[1]
+        if cache.own_scores is not None:
+            own = cache.own_scores[row].float()
+        elif cache.own_stream_index is not None:
+            own = cache.own_stream_index[layer].float()
+        else:
+            own = stream_index_of(cache.layers).float().expand(kv_heads, -1)
+        rows.append(torch.cat([torch.zeros(kv_heads, cache.base_tokens), own.cpu()], dim=1))
+    return torch.stack(rows)
+
+
+def committed_scores(
+    before: SessionCache, after: SessionCache, fresh: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """`after.own_scores` once a turn turned `before` into `after`: per full layer, the most attention
+    each held own token got from the turn's queries (`fresh[row]`, `[kv_heads, buffer slots]`, the
+    own tokens last: `QueryLog.turn_scores`), and, for `before`'s own tokens (the first ones of
+    `after`), the larger of that and their scores from earlier turns.
+
+    Raises:
+        ValueError: if a `fresh` row is shorter than the layer's held own tokens.
+    """
+    out = []
+    for row, layer in enumerate(after.full_layers):
+        held = after.own_keys[layer].shape[-2]
+        if fresh[row].shape[1] < held:
+            raise ValueError(f"fresh scores cover {fresh[row].shape[1]} slots, the layer holds {held} own tokens")
+        new = fresh[row][:, fresh[row].shape[1] - held :].clone()
+        if before.own_scores is not None:
+            old = before.own_scores[row]
+            new[:, : old.shape[1]] = torch.maximum(new[:, : old.shape[1]], old)
+        out.append(new)
+    return tuple(out)

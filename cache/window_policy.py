@@ -50,7 +50,9 @@ class WindowPlan:
         return sum(span.token_count for span in self.demote)
 
 
-WINDOW_POLICIES = ("turns", "attention")
+WINDOW_POLICIES = ("turns", "attention", "agnostic")
+LOSSY_POLICIES = ("attention", "agnostic")
+"""Policies that evict tokens per KV head (`cache.token_eviction`) instead of demoting whole turns."""
 
 
 @dataclass(frozen=True)
@@ -59,17 +61,19 @@ class WindowPolicy:
 
     Attributes:
         budget_tokens: the context window, in tokens.
-        policy: `turns` (exact per layer: whole oldest turns go, `plan`) or `attention` (lossy:
-            tokens of unpinned turn layers are evicted by importance, per KV head:
+        policy: `turns` (exact per layer: whole oldest turns go, `plan`), `attention` (lossy:
+            tokens of unpinned turn layers are evicted by importance to the new turn, per KV head:
             `cache.token_eviction`; the rebuild path demotes whole turns only until the turn
-            fits half-way to the model's position limit, then evicts: `sessions/turn/preparer.py`).
-        recent_tokens: under `attention`, most recent own tokens never evicted.
+            fits 1.25x the budget, then evicts: `sessions/turn/preparer.py`)
+            or `agnostic` (lossy, the same eviction by scores fixed when earlier turns committed,
+            whatever is asked next: `sessions/turn/window.py`; its rebuild demotes whole turns).
+        recent_tokens: under `attention` and `agnostic`, most recent own tokens never evicted.
         observation_tokens: under `attention`, queries at the end of the new turn's prefill whose
             attention scores the cached tokens (`cache.attention_scores`).
 
     Raises:
         ValueError: if `budget_tokens` is not positive, `policy` is unknown, `recent_tokens` is
-            negative (or, under `attention`, not below `budget_tokens`), or `observation_tokens < 1`.
+            negative (or, under a lossy policy, not below `budget_tokens`), or `observation_tokens < 1`.
     """
 
     budget_tokens: int
@@ -81,8 +85,8 @@ class WindowPolicy:
         if self.budget_tokens <= 0:
             raise ValueError(f"budget_tokens must be > 0, got {self.budget_tokens}")
         if self.policy not in WINDOW_POLICIES:
-            raise ValueError(f"window policy must be 'turns' or 'attention', got {self.policy!r}")
-        if self.recent_tokens < 0 or (self.policy == "attention" and self.recent_tokens >= self.budget_tokens):
+            raise ValueError(f"window policy must be 'turns', 'attention' or 'agnostic', got {self.policy!r}")
+        if self.recent_tokens < 0 or (self.policy in LOSSY_POLICIES and self.recent_tokens >= self.budget_tokens):
             raise ValueError(
                 f"window_recent_tokens must be >= 0 and below the context budget ({self.budget_tokens}), "
                 f"got {self.recent_tokens}"
@@ -186,4 +190,5 @@ def demote_by_rotation(cache: SessionCache, demote: Sequence[LayerSpan], layout:
         own_token_ids=tuple(token_ids),
         layers=tuple(spans),
         own_stream_index=stream_index,
+        own_scores=None,  # the `agnostic` policy never demotes by rotation; its scores would not follow
     )

@@ -112,6 +112,11 @@ class PreallocatedLayer(DynamicLayer):
         return self._length
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers, at their capacity."""
+        return sum(t.numel() * t.element_size() for t in (self._key_buffer, self._value_buffer))
+
+    @property
     def next_position(self) -> int:
         """RoPE position of the next token written."""
         return self._length + self.position_offset
@@ -129,6 +134,11 @@ class WorkingCache(DynamicCache):
     def __init__(self, layers: list[PreallocatedLayer]) -> None:
         super().__init__()
         self.layers = list(layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's key and value buffers, at their capacity."""
+        return sum(layer.nbytes for layer in self.prealloc_layers)
 
     @property
     def prealloc_layers(self) -> list[PreallocatedLayer]:

@@ -157,7 +157,7 @@ def sessions_inspect(
     """Show a session: transcript summary, layer table, model fingerprint, last TTFT.
 
     The layer table has one row per layer: kind (base or turn), turn, tokens held per KV head,
-    tokens evicted per head (window_policy attention), RoPE positions (a half-open range: [0, 21)
+    tokens evicted per head (window_policy attention or agnostic), RoPE positions (a half-open range: [0, 21)
     is positions 0 to 20), precision, tier and bytes (the layer's share of the cache by tokens).
     The system-prompt prefix lives in the tenant's shared prefix pool. A stored cache is decrypted
     to read its layers.

@@ -93,7 +93,8 @@ class Request:
         stop_token_ids: ids that end the reply.
         accountant: reserves the working buffer's bytes against a device budget; `None`: unbudgeted.
         reserve_kv: reserve the working buffer's bytes (`SessionCache.working_nbytes`: each model
-            layer's own length, a sliding layer's tail only) through `accountant`.
+            layer's own length, a sliding layer's tail only; or, for a given `working`, its
+            buffers' capacity) through `accountant`.
         keep_logits: keep every sampled row's logits (`sampled_logits`), for exactness tests.
 
     Raises:
@@ -132,7 +133,9 @@ class Request:
         self.scheduled_at: float | None = None
         self.reserved_bytes = 0
         new = len(prefill_ids) + (params.max_new_tokens if params is not None else 0)
-        self.kv_bytes = start.working_nbytes(new) if start is not None and reserve_kv else 0
+        self.kv_bytes = 0
+        if reserve_kv:
+            self.kv_bytes = start.working_nbytes(new) if start is not None else working.nbytes if working else 0
         self.sampled_logits: list[torch.Tensor] | None = [] if keep_logits else None
         self._channel: queue.SimpleQueue[int | RequestResult | BaseException] = queue.SimpleQueue()
         self._cancel_error: BaseException | None = None

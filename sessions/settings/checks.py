@@ -12,7 +12,7 @@ from sessions.settings.parsing import MAX_DURATION_S
 
 Precision = Literal["exact", "int8", "int4"]
 PersistMode = Literal["on_evict", "write_back"]
-WindowPolicyName = Literal["turns", "attention"]
+WindowPolicyName = Literal["turns", "attention", "agnostic"]
 DtypeName = Literal["float32", "bfloat16", "float16"]
 DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 """`auto`: bfloat16 on CUDA (float16 without bfloat16 support), float32 elsewhere
@@ -33,7 +33,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "dtype": (lambda v: v in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
     "device": (lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda, cuda:N or mps"),
     "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
-    "window_policy": (lambda v: v in ("turns", "attention"), "'turns' or 'attention'"),
+    "window_policy": (lambda v: v in ("turns", "attention", "agnostic"), "'turns', 'attention' or 'agnostic'"),
     "window_recent_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "window_observation_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "context_budget_tokens": (lambda v: v >= 16, ">= 16"),

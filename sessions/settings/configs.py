@@ -70,14 +70,15 @@ class WindowConfig:
     Attributes:
         context_budget_tokens: per-session window in tokens; `None`: `DEFAULT_CONTEXT_SHARE` of
             the model's context (`budget_tokens`).
-        window_policy: `turns` (whole oldest unpinned turns go) or `attention` (lossy, per KV head).
+        window_policy: `turns` (whole oldest unpinned turns go), `attention` (lossy, per KV head, by
+            the new turn's attention) or `agnostic` (lossy, per KV head, by scores fixed at commit).
         window_recent_tokens: under `attention`, the most recent tokens never evicted.
         window_observation_tokens: under `attention`, the queries whose attention scores the cache.
         pin_first_turn: the first turn joins the base layer (never windowed out).
 
     Raises:
         ValueError: for a budget below 16 tokens, an unknown policy, negative recent or
-            non-positive observation tokens, or (under `attention`) a recent window not below the budget.
+            non-positive observation tokens, or (under `attention` or `agnostic`) a recent window not below the budget.
     """
 
     context_budget_tokens: int | None
@@ -89,7 +90,11 @@ class WindowConfig:
     def __post_init__(self) -> None:
         _check_each(self)
         budget = self.context_budget_tokens
-        if self.window_policy == "attention" and budget is not None and self.window_recent_tokens >= budget:
+        if (
+            self.window_policy in ("attention", "agnostic")
+            and budget is not None
+            and self.window_recent_tokens >= budget
+        ):
             raise ValueError(
                 f"window_recent_tokens must be below context_budget_tokens ({budget}), got {self.window_recent_tokens}"
             )

@@ -157,10 +157,13 @@ class Settings:
     """Per-session context window in tokens; default 80% of the model's `max_position_embeddings`."""
     window_policy: WindowPolicyName = "turns"
     """What goes when a turn would exceed the context budget: `turns` (exact per layer: whole
-    oldest unpinned turns) or `attention` (lossy: each KV head evicts the tokens of unpinned turns
-    that the new turn's last queries attend to least, SnapKV-style; docs/architecture.md)."""
+    oldest unpinned turns), `attention` (lossy: each KV head evicts the tokens of unpinned turns
+    that the new turn's last queries attend to least, SnapKV-style) or `agnostic` (lossy: the same
+    eviction by scores fixed when the earlier turns committed, whatever is asked next;
+    docs/architecture.md)."""
     window_recent_tokens: int = 64
-    """Under `attention`, the most recent tokens of a session never evicted (below the budget)."""
+    """Under `attention` and `agnostic`, the most recent tokens of a session never evicted (below
+    the budget)."""
     window_observation_tokens: int = 32
     """Under `attention`, queries at the end of each turn's prefill whose attention scores the cache."""
     pin_first_turn: bool = False

@@ -17,10 +17,11 @@ spans     | start.spans ...                     | new turn at start.cache.next_p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache.ids import PrefixKey
 from cache.session_cache import LayerKind, LayerSpan, SessionCache
+from cache.working_cache import WorkingCache
 from sessions.records import RestoreSource
 from sessions.turn.chat_template import ConversationTokens
 from sessions.turn.costs import RestoreChoice
@@ -128,6 +129,10 @@ class TurnStart:
             past and the base it built.
         pending_base: set when `feed` starts with the base layer's ids (`cache` then has no
             base); the base is copied into the pool after the turn.
+        working: the turn's working buffer when the window step already prefilled the first
+            `prefilled_tokens` ids of the prefill into it (an evicting turn under `attention`:
+            `sessions.turn.window`); the engine loop continues it. `None`: built from `cache`.
+        prefilled_tokens: ids of the prefill already in `working`.
     """
 
     cache: SessionCache
@@ -138,6 +143,8 @@ class TurnStart:
     demoted_tokens: int = 0
     base_computed: int = 0
     pending_base: PendingBase | None = None
+    working: WorkingCache | None = field(default=None, compare=False)
+    prefilled_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,11 @@ class PreparedTurn:
     def prefill(self) -> tuple[int, ...]:
         """Ids to run through the model before the first new token."""
         return (*self.start.feed, *self.ids.turn)
+
+    @property
+    def unprefilled(self) -> tuple[int, ...]:
+        """Ids of `prefill` the engine loop still feeds (those not already in `start.working`)."""
+        return self.prefill[self.start.prefilled_tokens :]
 
     @property
     def spans(self) -> tuple[LayerSpan, ...]:

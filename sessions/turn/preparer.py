@@ -45,6 +45,10 @@ from sessions.turn.window import TurnWindow, restack_kept
 
 log = logging.getLogger(__name__)
 
+REBUILD_SLACK = 0.25
+"""Past an `attention` rebuild prefills beyond the budget, as a share of the budget: the chunk its
+eviction chooses from (more keeps more of the old turns by attention, at a dearer rebuild)."""
+
 _MEASURED = (Tier.HOST, Tier.DISK, Tier.REDIS)
 """Tiers a turn restores from, whose cost it measures (the device costs nothing)."""
 _TIER_SOURCES: dict[Tier, RestoreSource] = {
@@ -213,6 +217,8 @@ class TurnPreparer:
             base_reused=cache.base_tokens,
             demoted_tokens=fitted.demoted_tokens,
             base_computed=base_computed,
+            working=fitted.working,
+            prefilled_tokens=fitted.prefilled_tokens,
         )
 
     # -- rebuild -------------------------------------------------------------------------------
@@ -286,17 +292,18 @@ class TurnPreparer:
         turn, so a rebuild (after a restart without a stored cache, or positions that outgrew the
         model) keeps the tokens attention uses instead of dropping whole turns down to the budget.
 
-        Kept keys keep their positions, so what the rebuild keeps also spends positions: whole
-        oldest turns still go until the turn fits half-way between the budget and the model's
-        position limit. Half of the positions above the budget hold older turns (by attention),
-        half are left for the turns that follow before the next rebuild.
+        The cost follows the budget, not the conversation (issue 31): whole oldest turns still go
+        until the turn fits the budget plus `REBUILD_SLACK` of it (one chunk of past beyond the
+        budget, at most half-way to the model's position limit, since kept keys keep their
+        positions), so the rebuild prefills and holds at most the budget and that chunk; the
+        turn's own prefill then evicts the chunk's worth by attention (`TurnWindow.fit`).
 
         Returns `None` when nothing needs evicting (the plain rebuild then does the same work in
         the turn's own prefill), or when eviction cannot make the turn fit (the plain rebuild
         drops whole turns, or raises `ContextTooLong`)."""
         ids, base_tokens = conversation.token_ids, conversation.base_tokens
         budget = self.window.budget_tokens
-        positions = budget + max(0, self.engine.max_context_tokens - budget) // 2
+        positions = budget + min(int(budget * REBUILD_SLACK), max(0, self.engine.max_context_tokens - budget) // 2)
         by_positions = replace(self.window, budget_tokens=positions)
         try:
             window = by_positions.plan(past_spans, base_tokens, 0, len(new_turn), params.max_new_tokens)
@@ -322,6 +329,8 @@ class TurnPreparer:
             base_reused=base_reused,
             demoted_tokens=window.demoted_tokens + fitted.demoted_tokens,
             base_computed=base_tokens - base_reused + len(kept.ids),
+            working=fitted.working,
+            prefilled_tokens=fitted.prefilled_tokens,
         )
 
 

@@ -18,13 +18,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
+from cache.attention_scores import QueryLog
 from cache.ids import SessionId, TenantId
 from cache.lease import Lease
 from cache.session_cache import BaseLayer, SessionCache
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey
+from cache.token_eviction import committed_scores
 from cache.window_policy import WindowPolicy
 from cache.working_cache import WorkingCache
 from sessions.cancellation import CancelToken
@@ -159,11 +162,21 @@ class TurnRunner:
         started = time.perf_counter()
         with self._preparation(tenant_id):
             prepared = self.preparer.prepare(tenant_id, session_id, transcript, user_text, params, lease, cancel)
-        generation = yield from self._stream(prepared, params, stop, started, lease, cancel)
+        log = None
+        if self.preparer.window.policy == "agnostic" and prepared.cache.full_layers:
+            prepared = _with_working(prepared, params.max_new_tokens)
+            log = QueryLog(prepared.start.working)  # type: ignore[arg-type]  # just built
+        with log if log is not None else nullcontext():
+            generation = yield from self._stream(prepared, params, stop, started, lease, cancel)
         start = self._start_cache(prepared, generation.working, lease)
-        yield complete_turn(
+        outcome = complete_turn(
             prepared, generation, start=start, transcript=transcript, user_text=user_text, rules=self.rules
         )
+        if log is not None and outcome.cache is not None:
+            # The `agnostic` policy's scores, fixed now, before the next question is known.
+            scores = committed_scores(start, outcome.cache, log.turn_scores())
+            outcome = replace(outcome, cache=outcome.cache.with_scores(scores))
+        yield outcome
 
     def _stream(
         self,
@@ -219,11 +232,13 @@ class TurnRunner:
         )
 
     def _request(self, prepared: PreparedTurn, params: SamplingParams, lease: Lease) -> Request:
+        working = prepared.start.working
         return Request(
             tenant_id=lease.key.tenant_id,
-            prefill_ids=prepared.prefill,
+            prefill_ids=prepared.unprefilled,
             params=params,
-            start=prepared.cache,
+            start=prepared.cache if working is None else None,
+            working=working,
             stop_token_ids=self.engine.stop_token_ids,
             accountant=self.tiers,
             reserve_kv=True,
@@ -245,3 +260,12 @@ class TurnRunner:
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
         base = BaseLayer(pending.key, pending.token_ids, keys, values)
         return lease.adopt_base(base) if self.reuse_kv else base
+
+
+def _with_working(prepared: PreparedTurn, max_new_tokens: int) -> PreparedTurn:
+    """`prepared` with its working buffer built here rather than at the loop's admission (the same
+    buffer: `Request`), so a `QueryLog` can be attached to it before the loop runs it."""
+    if prepared.start.working is not None:
+        return prepared
+    working = prepared.cache.to_working_cache(len(prepared.prefill) + max_new_tokens)
+    return replace(prepared, start=replace(prepared.start, working=working))

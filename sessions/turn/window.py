@@ -5,21 +5,33 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
 - `turns` (default, exact per layer): `WindowPolicy.plan` picks the oldest unpinned turn layers,
   `demote` drops them and re-rotates the kept keys (or re-prefills the kept layers when the model
   has no known RoPE layout).
-- `attention` (lossy): the turn's own ids (closing of the last turn plus the new turn) are first
-  prefilled on a throwaway copy of the cache while the last `observation_tokens` queries of every
-  model layer are captured (`cache.attention_scores`); their attention ranks the cached tokens and
-  each KV head evicts its least attended tokens of the unpinned turn layers, never the base layer
-  nor the `recent_tokens` most recent (`cache.token_eviction`). The turn itself then prefills the
-  same ids on the smaller cache, so scoring costs one extra prefill of the turn, only on turns
-  that must shrink the window.
+- `attention` (lossy): one prefill per evicting turn, as SnapKV does it. The turn's own ids
+  (closing of the last turn plus the new turn) but the last are prefilled on the full cache while
+  the last `observation_tokens` queries of every model layer are captured
+  (`cache.attention_scores`); their attention ranks the cached tokens and each KV head evicts its
+  least attended tokens of the unpinned turn layers, never the base layer nor the `recent_tokens`
+  most recent (`cache.token_eviction`). The prefilled ids' KV (computed with the whole cache in
+  view) is carried over behind the kept tokens (`carry_prefill`), and the engine loop feeds only
+  the last id before sampling. So an evicting turn prefills its ids once, like a `turns` turn.
 
-Only full-attention model layers evict under `attention`: a sliding-window layer holds its window
-and no more; a model without full-attention layers demotes whole turns under either policy.
+      working (full)   | base | own ............................ | turn ids but the last |
+      scores           |      | per KV head, from the last W queries of the turn's ids ---^
+      working (kept)   | base | own, kept per head | turn ids but the last | last id, reply ...
 
-Kept keys keep their positions under `attention`, so positions outgrow the cache; a turn whose
-positions would pass the model's position limit takes the rebuild path instead
-(`positions_overflow`), which under `attention` prefills the kept past at contiguous positions
-and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in `sessions/turn/preparer.py`).
+- `agnostic` (lossy, question-agnostic): evicts like `attention`, but by scores fixed when the
+  previous turns committed (`SessionCache.own_scores`: the most attention each token received
+  from any query of the turns after it, `cache.attention_scores.QueryLog`, logged by the runner),
+  so the kept set does not depend on the next question and the window step prefills nothing.
+
+Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer
+holds its window and no more (never scored past it); a model without full-attention layers demotes
+whole turns under every policy.
+
+Kept keys keep their positions under the lossy policies, so positions outgrow the cache; a turn
+whose positions would pass the model's position limit takes the rebuild path instead
+(`positions_overflow`), which under `attention` prefills the kept past (at most 1.25x the budget)
+at contiguous positions and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in
+`sessions/turn/preparer.py`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
@@ -38,8 +50,9 @@ import torch
 
 from cache.attention_scores import ObservationWindow
 from cache.session_cache import LayerSpan, SessionCache, span_offsets
-from cache.token_eviction import evict_by_scores, evictable_tokens
-from cache.window_policy import ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
+from cache.token_eviction import carry_prefill, evict_by_scores, evictable_tokens, stored_scores
+from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
+from cache.working_cache import WorkingCache
 from sessions.engine import Engine
 from sessions.engine.request import KVAccountant
 from sessions.errors import ContextTooLong
@@ -56,8 +69,13 @@ class FittedWindow:
         demoted_tokens: tokens per KV head windowed out before this turn (whole layers, or
             evicted tokens).
         last_demoted: the last turn layer was demoted, so its closing ids are not fed.
-        scoring_s / eviction_s: seconds spent scoring (the extra prefill with the observation
-            window) and gathering the kept tokens, under `attention` (0 otherwise).
+        scoring_s / eviction_s: under `attention` (0 otherwise), seconds spent on the observed
+            prefill (the turn's own ids but the last, with the scores) and on gathering the kept
+            tokens and carrying the prefill over.
+        working: under `attention` when tokens were evicted, the turn's working buffer: `cache`
+            followed by the first `prefilled_tokens` of the turn's ids (closing, then turn), with
+            room for the rest and the reply; the turn continues it instead of building one.
+        prefilled_tokens: how many of the turn's ids `working` already holds.
     """
 
     cache: SessionCache
@@ -65,6 +83,8 @@ class FittedWindow:
     last_demoted: bool
     scoring_s: float = 0.0
     eviction_s: float = 0.0
+    working: WorkingCache | None = None
+    prefilled_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,7 +178,7 @@ class TurnWindow:
         Raises:
             ContextTooLong: if it cannot fit (pinned turns, base and the recent window too large).
         """
-        if self.window.policy == "attention" and cache.full_layers:
+        if self.window.policy in LOSSY_POLICIES and cache.full_layers:
             return self._evict(cache, [*closing, *turn], max_new_tokens)
         window = self.plan_layers(cache.layers, cache.base_tokens, len(closing), len(turn), max_new_tokens)
         last = cache.layers[-1].original_start if cache.layers else None
@@ -175,11 +195,37 @@ class TurnWindow:
         evictable = evictable_tokens(cache, self.window.recent_tokens)
         if excess > evictable:
             raise ContextTooLong(needed - evictable, self.window.budget_tokens, reply_tokens=max_new_tokens)
-        started = time.perf_counter()
-        scores = self.score(cache, prefill)
-        scored = time.perf_counter()
-        evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
-        return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored)
+        if self.window.policy == "agnostic":  # scores fixed at commit: no prefill, only the gather
+            started = time.perf_counter()
+            evicted = evict_by_scores(cache, stored_scores(cache), excess, self.window.recent_tokens)
+            return FittedWindow(evicted, excess, False, 0.0, time.perf_counter() - started)
+        if len(prefill) < 2:  # nothing to prefill ahead of the request's own last id: score on a copy
+            started = time.perf_counter()
+            scores = self.score(cache, prefill)
+            scored = time.perf_counter()
+            evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
+            return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored)
+        return self._prefill_and_evict(cache, prefill, excess, max_new_tokens)
+
+    def _prefill_and_evict(
+        self, cache: SessionCache, prefill: Sequence[int], excess: int, max_new_tokens: int
+    ) -> FittedWindow:
+        """The one prefill of an evicting turn (module docstring): every id of `prefill` but the
+        last on the full cache, observed; evict `excess` tokens per head; carry the prefill over."""
+        ahead = len(prefill) - 1
+        extra = len(prefill) + max_new_tokens
+        with self.device_buffer(cache.total_tokens + extra):
+            started = time.perf_counter()
+            working = cache.to_working_cache(extra)
+            with ObservationWindow(working, self.window.observation_tokens) as observed:
+                self.engine.prefill(working, prefill[:ahead])
+            scores = observed.scores(cache.total_tokens)
+            scored = time.perf_counter()
+            evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
+            carried = carry_prefill(evicted, working, ahead, extra - ahead)
+            del working
+        done = time.perf_counter()
+        return FittedWindow(evicted, excess, False, scored - started, done - scored, carried, ahead)
 
     def score(self, cache: SessionCache, prefill: Sequence[int]) -> torch.Tensor:
         """`[full_model_layers, kv_heads, cache.total_tokens]` float32 importance of the cached tokens

@@ -133,7 +133,7 @@ def test_unset_or_empty_variables_leave_the_declared_defaults(monkeypatch: pytes
         (
             "CHATKV_WINDOW_POLICY",
             "h2o",
-            "CHATKV_WINDOW_POLICY: window_policy must be 'turns' or 'attention', got 'h2o'",
+            "CHATKV_WINDOW_POLICY: window_policy must be 'turns', 'attention' or 'agnostic', got 'h2o'",
         ),
         (
             "CHATKV_WINDOW_RECENT_TOKENS",
@@ -258,7 +258,7 @@ def test_the_window_config_carries_the_window_fields(monkeypatch: pytest.MonkeyP
     assert replace(config, context_budget_tokens=None).budget_tokens(2048) == 1638  # 80% of the context
     with pytest.raises(ValueError, match=r"^context_budget_tokens=1024 exceeds the model's context \(512 tokens\)$"):
         config.budget_tokens(512)
-    with pytest.raises(ValueError, match=r"^window_policy must be 'turns' or 'attention', got 'h2o'$"):
+    with pytest.raises(ValueError, match=r"^window_policy must be 'turns', 'attention' or 'agnostic', got 'h2o'$"):
         replace(config, window_policy="h2o")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^window_recent_tokens must be below context_budget_tokens \(1024\)"):
         replace(config, window_recent_tokens=1024)

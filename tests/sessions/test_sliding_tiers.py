@@ -89,8 +89,9 @@ def test_lossy_offload_keeps_the_sliding_windows_exact(tmp_path: Path, gemma3_en
         assert reply.stats.restored_from == "device" and len(reply.token_ids) > 0
 
 
-def test_the_attention_policy_evicts_from_full_layers_only(tmp_path: Path, gemma3_engine: Engine) -> None:
-    settings = {"window_policy": "attention", "context_budget_tokens": 120, "window_recent_tokens": 16}
+@pytest.mark.parametrize("policy", ["attention", "agnostic"])
+def test_the_lossy_policies_evict_from_full_layers_only(tmp_path: Path, gemma3_engine: Engine, policy: str) -> None:
+    settings = {"window_policy": policy, "context_budget_tokens": 120, "window_recent_tokens": 16}
     with open_manager(tmp_path / "home", gemma3_engine, **settings) as manager:
         tenant, sid = converse(manager)
         reply = manager.chat(tenant, sid, NEXT, max_new_tokens=TOKENS, ignore_eos=True)

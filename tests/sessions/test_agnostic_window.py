@@ -1,0 +1,214 @@
+"""The `agnostic` window policy through the manager: eviction per KV head by scores fixed when the
+previous turns committed, so the kept set does not depend on the next question; scores follow the
+cache; a restored cache without scores evicts by recency; no eviction, no difference."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache.session_cache import SessionCache
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from tests.conftest import make_settings
+from tests.sessions.offload_helpers import reference_reply
+
+SYSTEM = "You answer in one short sentence."
+MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
+BUDGET, RECENT = 200, 24
+
+
+def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
+    values: dict[str, object] = {
+        "context_budget_tokens": BUDGET,
+        "window_policy": "agnostic",
+        "window_recent_tokens": RECENT,
+    }
+    values.update(overrides)
+    return SessionManager(make_settings(home, **values), engine=engine)
+
+
+def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
+    cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+    assert cache is not None
+    return cache
+
+
+def kept_before(cache: SessionCache, stream_end: int) -> list[torch.Tensor]:
+    """Per model layer, `[kv_heads, n]`: the stream index each head holds below `stream_end`."""
+    index = cache.own_stream_index
+    assert index is not None
+    return [t[t < stream_end].view(t.shape[0], -1) for t in index]
+
+
+@pytest.mark.parametrize("policy", ["agnostic", "attention"])
+def test_the_kept_set_is_the_same_whatever_is_asked_next(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
+    questions = ["which parcel number did note 1 give?", "tell me a joke about a very tall giraffe"]
+    kept = []
+    with open_manager(tmp_path / "home", tiny_engine, window_policy=policy, window_observation_tokens=8) as manager:
+        tenant = manager.create_tenant("acme")
+        for question in questions:
+            sid = manager.open_session(tenant, system_prompt=SYSTEM)
+            for message in MESSAGES[:6]:
+                manager.chat(tenant, sid, message, max_new_tokens=8, ignore_eos=True)
+            stream_end = cache_of(manager, tenant.id, sid).next_original_index
+            reply = manager.chat(tenant, sid, question, max_new_tokens=8, ignore_eos=True)
+            assert reply.stats.demoted_tokens > 0
+            kept.append((reply.stats.demoted_tokens, kept_before(cache_of(manager, tenant.id, sid), stream_end)))
+    (evicted_a, kept_a), (evicted_b, kept_b) = kept
+    if evicted_a != evicted_b:  # another length of question: compare the tokens both kept by rank instead
+        pytest.fail(f"the questions evict {evicted_a} and {evicted_b} tokens; make them the same length")
+    same = all(torch.equal(a, b) for a, b in zip(kept_a, kept_b, strict=True))
+    # The question-aware policy keeps what the question attends to; the agnostic one cannot tell.
+    assert same == (policy == "agnostic")
+
+
+def test_scores_follow_the_cache_and_the_base_and_recent_window_stay(tmp_path: Path, tiny_engine: Engine) -> None:
+    with open_manager(tmp_path / "home", tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        evicted = 0
+        for message in MESSAGES:
+            reply = manager.chat(tenant, sid, message, max_new_tokens=8)
+            cache = cache_of(manager, tenant.id, sid)
+            assert cache.total_tokens <= BUDGET
+            scores = cache.own_scores
+            assert scores is not None and len(scores) == len(cache.full_layers)
+            assert all(s.shape == (cache.own_keys[0].shape[1], cache.own_tokens) for s in scores)
+            assert all(bool((s >= 0).all()) and bool((s <= 1).all()) for s in scores)  # attention weights
+            evicted += reply.stats.demoted_tokens
+        assert evicted > 0 and cache.evicted_tokens > 0
+        assert cache.base_token_ids == tuple(manager.template.system_prefix_ids(SYSTEM))
+        stream_end = cache.next_original_index
+        index = cache.own_stream_index
+        assert index is not None
+        for per_layer in index:
+            assert (per_layer[:, -RECENT:] == per_layer.new_tensor(range(stream_end - RECENT, stream_end))).all()
+
+
+def test_a_cache_restored_without_scores_evicts_the_oldest_first(tmp_path: Path, tiny_engine: Engine) -> None:
+    home = tmp_path / "home"
+    with open_manager(home, tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:4]:
+            manager.chat(tenant, sid, message, max_new_tokens=8)
+        assert cache_of(manager, tenant.id, sid).evicted_tokens == 0
+        assert manager.evict_session(tenant, sid, "disk") == "disk"
+        reply = manager.chat(tenant, sid, MESSAGES[4] + " and " + MESSAGES[5], max_new_tokens=8)
+        cache = cache_of(manager, tenant.id, sid)
+    assert reply.stats.restored_from == "disk" and reply.stats.demoted_tokens > 0
+    index = cache.own_stream_index
+    assert index is not None
+    first_own = cache.base_tokens
+    for per_layer in index:
+        # Every head dropped the same oldest tokens (recency), then scores exist for the next turn.
+        assert (per_layer == per_layer[0]).all()
+        assert int(per_layer[0, 0]) == first_own + reply.stats.demoted_tokens
+    assert cache.own_scores is not None
+
+
+def test_without_eviction_every_policy_gives_the_same_replies(tmp_path: Path, tiny_engine: Engine) -> None:
+    replies = {}
+    for policy in ("turns", "attention", "agnostic"):
+        with open_manager(tmp_path / policy, tiny_engine, window_policy=policy, context_budget_tokens=4000) as manager:
+            tenant = manager.create_tenant("acme")
+            sid = manager.open_session(tenant, system_prompt=SYSTEM)
+            out = [manager.chat(tenant, sid, m, max_new_tokens=8) for m in MESSAGES[:5]]
+            assert all(r.stats.demoted_tokens == 0 for r in out)
+            replies[policy] = [r.token_ids for r in out]
+    assert replies["agnostic"] == replies["turns"] == replies["attention"]
+
+
+def test_an_unevicted_agnostic_parent_forks_warm_and_exact_with_its_scores_cut(
+    tmp_path: Path, tiny_engine: Engine
+) -> None:
+    with open_manager(tmp_path / "home", tiny_engine, context_budget_tokens=4000) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:3]:
+            manager.chat(tenant, parent, message, max_new_tokens=8)
+        fork = manager.fork(tenant, parent, 2)
+        expected = reference_reply(manager, tenant, fork, MESSAGES[5], 8)
+        reply = manager.chat(tenant, fork, MESSAGES[5], max_new_tokens=8)
+        assert reply.stats.restored_from == "device" and reply.stats.reused_tokens > 0
+        assert reply.token_ids == expected
+        cache = cache_of(manager, tenant, fork)
+        assert cache.own_scores is not None  # the prefix's scores, cut to it, then this turn's
+
+
+@pytest.mark.parametrize("policy", ["attention", "agnostic"])
+def test_an_evicted_parent_is_forked_by_rebuilding_exactly(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
+    with open_manager(tmp_path / "home", tiny_engine, window_policy=policy, window_observation_tokens=8) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:7]:
+            manager.chat(tenant, parent, message, max_new_tokens=8)
+        assert cache_of(manager, tenant, parent).evicted_tokens > 0
+        fork = manager.fork(tenant, parent, 2)  # its two turns fit the budget: no eviction, exact
+        expected = reference_reply(manager, tenant, fork, MESSAGES[8], 8)
+        reply = manager.chat(tenant, fork, MESSAGES[8], max_new_tokens=8)
+        assert reply.stats.restored_from == "rebuilt" and reply.stats.demoted_tokens == 0
+        assert reply.token_ids == expected
+
+
+@pytest.mark.parametrize("policy", ["attention", "agnostic"])
+def test_sessions_evicting_at_once_reply_as_they_do_alone(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
+    """Four sessions evicting while the engine loop packs their steps together: each keeps its
+    own query log and observation window, and replies as when it runs alone."""
+
+    def converse(manager: SessionManager, tenant: str, offset: int, out: dict[int, list[tuple[int, ...]]]) -> None:
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        messages = MESSAGES[offset:] + MESSAGES[:offset]
+        out[offset] = [manager.chat(tenant, sid, m, max_new_tokens=8).token_ids for m in messages[:7]]
+
+    alone: dict[int, list[tuple[int, ...]]] = {}
+    together: dict[int, list[tuple[int, ...]]] = {}
+    with open_manager(tmp_path / "alone", tiny_engine, window_policy=policy) as manager:
+        tenant = manager.create_tenant("acme").id
+        for offset in range(4):
+            converse(manager, tenant, offset, alone)
+    packed = LargestStep()
+    tiny_engine.loop.add_observer(packed)
+    try:
+        with open_manager(tmp_path / "together", tiny_engine, window_policy=policy) as manager:
+            tenant = manager.create_tenant("acme").id
+            threads = [threading.Thread(target=converse, args=(manager, tenant, o, together)) for o in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        tiny_engine.loop.remove_observer(packed)
+    assert together == alone
+    assert packed.requests > 1  # the loop did run them together
+
+
+class LargestStep:
+    """The most requests one engine step ran (a `StepObserver`)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def step(self, requests: int, tokens: int, forward_s: float) -> None:
+        self.requests = max(self.requests, requests)
+
+
+def test_a_pinned_turn_is_never_evicted(tmp_path: Path, tiny_engine: Engine) -> None:
+    with open_manager(tmp_path / "home", tiny_engine, pin_first_turn=True) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:9]:
+            manager.chat(tenant, sid, message, max_new_tokens=8)
+        cache = cache_of(manager, tenant.id, sid)
+    pinned = cache.layers[0]
+    assert pinned.turn_index == 0 and pinned.pinned and pinned.evicted_tokens == 0
+    assert cache.evicted_tokens > 0
+    index = cache.own_stream_index
+    assert index is not None
+    first = pinned.original_start
+    for per_layer in index:  # every head holds every token of the pinned turn
+        assert (per_layer[:, : pinned.token_count] == torch.arange(first, first + pinned.token_count)).all()
