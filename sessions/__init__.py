@@ -63,7 +63,7 @@ from sessions.records import FinishReason, Message, Reply, RestoreResult, Restor
 from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
 from sessions.responses import ResponsePoint, ResponseRecords
 from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
-from sessions.turn.parameters import check_turn_parameters
+from sessions.turn_options import TurnOptions
 from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
 
 if TYPE_CHECKING:
@@ -148,12 +148,12 @@ __all__ = [
     "TenantId",
     "TenantNotFound",
     "TurnCancelled",
+    "TurnOptions",
     "TurnStats",
     "UnsupportedModel",
     "admin_token",
     "check_session_name",
     "check_text",
-    "check_turn_parameters",
     "check_unlocked",
     "database_revision",
     "default_home",

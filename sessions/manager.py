@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from cache.ids import SessionId
 from cache.tiers import LOCAL_TIERS, CacheKey
@@ -48,9 +48,8 @@ from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.replicas.routing import Route
 from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
-from sessions.sampling import SamplingParams
 from sessions.settings import Settings
-from sessions.turn.stop_strings import StopStrings
+from sessions.turn_options import TurnOptionKeywords, TurnOptions
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import BadMasterKey, KeyRingError
@@ -320,31 +319,14 @@ class SessionManager:
         tenant: TenantRef,
         session_id: str,
         message: str,
+        options: TurnOptions | None = None,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        min_new_tokens: int = 0,
-        ignore_eos: bool = False,
         cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
     ) -> Reply:
-        """Send a user message and return the reply. See `stream_chat` for the errors."""
+        """Send a user message and return the reply. See `stream_chat` for the arguments and errors."""
         reply = None
-        for item in self.stream_chat(
-            tenant,
-            session_id,
-            message,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            min_new_tokens=min_new_tokens,
-            ignore_eos=ignore_eos,
-            cancel=cancel,
-        ):
+        for item in self.stream_chat(tenant, session_id, message, options, cancel=cancel, **keywords):
             if isinstance(item, Reply):
                 reply = item
         if reply is None:
@@ -356,25 +338,22 @@ class SessionManager:
         tenant: TenantRef,
         session_id: str,
         message: str,
+        options: TurnOptions | None = None,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        min_new_tokens: int = 0,
-        ignore_eos: bool = False,
         expected_turns: int | None = None,
         cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
     ) -> Generator[str | Reply, None, None]:
         """Yield reply text pieces as they are generated, then the `Reply`. The pieces joined equal
         `Reply.text`. The turn is stored when the generator finishes; abandoning it stores nothing.
 
         Args:
-            stop: up to 4 strings that end the reply once its text contains one; `Reply.text`
-                ends before it, and the transcript and the cache hold the reply as returned.
-            min_new_tokens: no stop token or stop string ends the reply before it has this many
-                tokens (`SamplingParams`). ignore_eos: no stop token ends it (it runs to
+            options: sampling and stop strings (`TurnOptions`; default greedy, 256 tokens at most).
+            keywords: `TurnOptions` fields replacing those of `options` (`max_new_tokens=64`,
+                `stop=["\n"]`, ...). stop: up to 4 strings that end the reply once its text
+                contains one; `Reply.text` ends before it, and the transcript and the cache hold
+                the reply as returned. min_new_tokens: no stop token or stop string ends the reply
+                before it has this many tokens. ignore_eos: no stop token ends it (it runs to
                 `max_new_tokens` unless a stop string ends it).
             expected_turns: continue only if the session has exactly this many turns (it was found
                 by its history, and another turn may have got there first).
@@ -391,14 +370,11 @@ class SessionManager:
             TurnCancelled: `cancel` was set before the reply was complete.
         """
         self._check_open()
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, min_new_tokens, ignore_eos)
-        stop_strings = StopStrings(stop)
-        check_text(message, "message", MAX_MESSAGE_CHARS)
-        if not message.strip():
-            raise InvalidInput("message must be a non-empty string")
+        options = TurnOptions.of(options, keywords)
+        _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
         return self._parts.turns.stream(
-            tenant_id, session_id, message, params, stop_strings, expected_turns=expected_turns, cancel=cancel
+            tenant_id, session_id, message, options, expected_turns=expected_turns, cancel=cancel
         )
 
     def continue_history(
@@ -407,15 +383,10 @@ class SessionManager:
         system_prompt: str | None,
         history: Sequence[tuple[str, str]],
         message: str,
+        options: TurnOptions | None = None,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        min_new_tokens: int = 0,
-        ignore_eos: bool = False,
         cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
     ) -> HistoryTurn:
         """A turn for a conversation its client brings along whole (the stateless pattern of
         OpenAI clients): `history` holds the earlier turns as `(user text, reply text as returned:
@@ -428,20 +399,15 @@ class SessionManager:
         Raises (at the first item): as `stream_chat`, and `HistoryTooLong`.
         """
         self._check_open()
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, min_new_tokens, ignore_eos)
-        stop_strings = StopStrings(stop)
-        check_text(message, "message", MAX_MESSAGE_CHARS)
-        if not message.strip():
-            raise InvalidInput("message must be a non-empty string")
+        options = TurnOptions.of(options, keywords)
+        _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
         turns = self._parts.turns
 
         def start(session_id: SessionId, expected_turns: int | None) -> Generator[str | Reply, None, None]:
             if cancel is not None:
                 cancel.check()
-            return turns.stream(
-                tenant_id, session_id, message, params, stop_strings, expected_turns=expected_turns, cancel=cancel
-            )
+            return turns.stream(tenant_id, session_id, message, options, expected_turns=expected_turns, cancel=cancel)
 
         return self._parts.lookup.turn(tenant_id, system_prompt, history, start)
 
@@ -581,6 +547,12 @@ class SessionManager:
             "model_fingerprint": self._parts.engine.fingerprint,
             "context_budget_tokens": self._parts.context_budget_tokens,
         }
+
+
+def _check_message(message: str) -> None:
+    check_text(message, "message", MAX_MESSAGE_CHARS)
+    if not message.strip():
+        raise InvalidInput("message must be a non-empty string")
 
 
 def _assemble(settings: Settings, engine: Engine | None) -> ManagerParts:

@@ -52,8 +52,8 @@ from sessions import (
     SessionManager,
     SessionNotFound,
     Tenant,
+    TurnOptions,
     check_text,
-    check_turn_parameters,
 )
 
 TurnStream = Generator[str | Reply, None, None]
@@ -156,52 +156,6 @@ class IdempotencyGuard:
             self._manager.idempotency.release(claim)
 
 
-@dataclass(frozen=True)
-class TurnParams:
-    """Sampling and stop parameters of one turn, checked at construction.
-
-    Raises:
-        InvalidInput: for a value `SessionManager.stream_chat` would refuse.
-    """
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    min_new_tokens: int = 0
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        check_turn_parameters(
-            self.max_new_tokens,
-            self.temperature,
-            self.top_p,
-            self.seed,
-            self.stop,
-            min_new_tokens=self.min_new_tokens,
-            ignore_eos=self.ignore_eos,
-        )
-
-    def keywords(self) -> dict[str, Any]:
-        """These parameters as the keywords of `SessionManager.stream_chat` and `continue_history`."""
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "min_new_tokens": self.min_new_tokens,
-            "ignore_eos": self.ignore_eos,
-        }
-
-    def stream(
-        self, manager: SessionManager, tenant: Tenant, session_id: str, message: str, **extra: Any
-    ) -> TurnStream:
-        """`SessionManager.stream_chat` with these parameters (`extra`: its other keywords)."""
-        return manager.stream_chat(tenant, session_id, message, **self.keywords(), **extra)
-
-
 MAX_OPENAI_TEMPERATURE = 2.0
 """OpenAI's upper bound of `temperature` (its lower bound, 0, is chatkv's own)."""
 MAX_OPENAI_STOP_STRINGS = 4
@@ -216,7 +170,7 @@ def check_openai_ranges(
     stop_strings: int = 0,
 ) -> None:
     """OpenAI's limits on a turn's parameters, refused with the field's OpenAI name in `param`
-    before `TurnParams` checks them under chatkv's own names (`max_new_tokens`, ...).
+    before `TurnOptions` checks them under chatkv's own names (`max_new_tokens`, ...).
 
     Raises:
         ApiError: 400 `invalid_request` naming the field: `temperature` outside [0, 2], a
@@ -302,7 +256,7 @@ def start_turn(
     tenant: Tenant,
     session_id: str,
     message: str,
-    params: TurnParams,
+    options: TurnOptions,
     *,
     created: bool = False,
     erase: bool = False,
@@ -316,7 +270,7 @@ def start_turn(
         ChatKVError: the turn was refused (nothing stored; a `created` session is deleted), or
             `TurnCancelled` by `cancel`.
     """
-    stream = params.stream(manager, tenant, session_id, message, expected_turns=expected_turns, cancel=cancel)
+    stream = manager.stream_chat(tenant, session_id, message, options, expected_turns=expected_turns, cancel=cancel)
     try:
         first = next(stream)
     except ChatKVError:
@@ -333,7 +287,7 @@ def continue_history(
     system_prompt: str | None,
     history: Sequence[tuple[str, str]],
     message: str,
-    params: TurnParams,
+    options: TurnOptions,
     cancel: CancelToken | None = None,
 ) -> StartedTurn:
     """The turn of a posted history (`SessionManager.continue_history`: continue, fork or a new
@@ -342,7 +296,7 @@ def continue_history(
     Raises:
         ChatKVError: the turn was refused (nothing stored).
     """
-    turn = manager.continue_history(tenant, system_prompt, history, message, **params.keywords(), cancel=cancel)
+    turn = manager.continue_history(tenant, system_prompt, history, message, options, cancel=cancel)
     first = turn.start()
     if turn.session_id is None:
         raise RuntimeError("bug: a started history turn has no session")
@@ -356,7 +310,7 @@ def named_turn(
     system_prompt: str | None,
     history: Sequence[tuple[str, str]],
     message: str,
-    params: TurnParams,
+    options: TurnOptions,
     cancel: CancelToken | None = None,
 ) -> StartedTurn:
     """The turn of a session the client names (`X-Session-ID`, `session_id`), run to its first item.
@@ -380,8 +334,8 @@ def named_turn(
         try:
             created = manager.open_session(tenant, system_prompt, history=history, name=session_id)
         except SessionExists:  # another request named it first: go on with that one
-            return named_turn(manager, tenant, session_id, system_prompt, history, message, params, cancel)
-        return start_turn(manager, tenant, created, message, params, created=True, cancel=cancel)
+            return named_turn(manager, tenant, session_id, system_prompt, history, message, options, cancel)
+        return start_turn(manager, tenant, created, message, options, created=True, cancel=cancel)
     if system_prompt is not None and system_prompt != info.system_prompt:
         raise InvalidInput("the system message differs from the session's system prompt")
     if history and info.id not in manager.find_sessions_by_history(tenant, system_prompt, history):
@@ -390,7 +344,7 @@ def named_turn(
             "as it was returned"
         )
     expected = len(history) if history else None
-    return start_turn(manager, tenant, info.id, message, params, expected_turns=expected, cancel=cancel)
+    return start_turn(manager, tenant, info.id, message, options, expected_turns=expected, cancel=cancel)
 
 
 class PromptTokensDetails(BaseModel):

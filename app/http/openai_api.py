@@ -21,7 +21,7 @@ accepted without effect on the reply (`user`, `metadata`, ...), or refused with 
 content parts other than text, logprobs, a `response_format` other than text, penalties,
 `logit_bias`, ...). A field chatkv does not know is refused with 400
 `unrecognized_request_argument` naming it, never ignored. vLLM's extensions `min_tokens` and
-`ignore_eos` are honoured (`SamplingParams`), chatkv's `session_id` names the session. Defaults
+`ignore_eos` are honoured (`TurnOptions`), chatkv's `session_id` names the session. Defaults
 follow OpenAI: `temperature` 1, `top_p` 1; `max_tokens` defaults to 256.
 
 Limits: at most 2,048 `messages` (OpenAI's; 400 `array_above_max_length`), and a posted history of
@@ -62,7 +62,7 @@ from app.http.chat_request import (
     ChatCompletionRequest,
     ChatMessage,
     refuse_unsupported,
-    turn_params,
+    turn_options,
 )
 from app.http.forwarding import Forwarder
 from app.http.sse import DONE, EventStream, event
@@ -224,7 +224,7 @@ def _complete(
     idempotency key, run the turn to its first piece (streamed) or to its end."""
     _check_model(manager, body.model)
     refuse_unsupported(body)
-    params = turn_params(body)
+    options = turn_options(body)
     conversation = parse_messages(body.messages)
     session_id = _session_id(x_session_id, body.session_id)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -245,7 +245,7 @@ def _complete(
                 conversation.system_prompt,
                 conversation.history,
                 conversation.message,
-                params,
+                options,
                 cancel,
             )
         else:
@@ -256,7 +256,7 @@ def _complete(
                 conversation.system_prompt,
                 conversation.history,
                 conversation.message,
-                params,
+                options,
                 cancel,
             )
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up

@@ -48,7 +48,6 @@ from app.http.api_turns import (
     SESSION_HEADER,
     IdempotencyGuard,
     StartedTurn,
-    TurnParams,
     start_turn,
 )
 from app.http.forwarding import Forwarder
@@ -68,7 +67,7 @@ from app.http.responses_items import (
     response_head,
     response_object,
     stored_items,
-    turn_params,
+    turn_options,
 )
 from app.http.responses_stream import EventFrames, error_event, replayed_events, response_events
 from app.http.sse import EventStream
@@ -84,6 +83,7 @@ from sessions import (
     SessionNotFound,
     Tenant,
     TurnCancelled,
+    TurnOptions,
 )
 
 
@@ -230,7 +230,7 @@ def _create(
         )
     refuse_unsupported(body)
     metadata = check_metadata(body.metadata)
-    params = turn_params(body)
+    options = turn_options(body)
     store = body.store is not False
     conversation_id = body.conversation_id()
     if conversation_id is not None and body.previous_response_id is not None:
@@ -252,9 +252,9 @@ def _create(
     head = response_head(response_id, manager.model_name, body, metadata)
     try:
         if conversation_id is not None:
-            run = _start_in_conversation(manager, tenant, body, conversation_id, params, cancel, head)
+            run = _start_in_conversation(manager, tenant, body, conversation_id, options, cancel, head)
         else:
-            started = _start(manager, tenant, body, conversation, params, cancel, store)
+            started = _start(manager, tenant, body, conversation, options, cancel, store)
             run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
@@ -281,7 +281,7 @@ def _start(
     tenant: Tenant,
     body: ResponseRequest,
     conversation: Conversation,
-    params: TurnParams,
+    options: TurnOptions,
     cancel: CancelToken,
     store: bool,
 ) -> tuple[StartedTurn, int]:
@@ -290,7 +290,7 @@ def _start(
     message = conversation.message
     if body.previous_response_id is None:
         session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-        turn = start_turn(manager, tenant, session_id, message, params, created=True, erase=not store, cancel=cancel)
+        turn = start_turn(manager, tenant, session_id, message, options, created=True, erase=not store, cancel=cancel)
         return turn, len(conversation.history)
     if conversation.history or conversation.system_prompt not in (None, body.instructions):
         raise InvalidInput(
@@ -305,18 +305,18 @@ def _start(
         earlier = _turns(manager, tenant, point)
         session_id = manager.open_session(tenant, body.instructions, history=earlier)
         return start_turn(
-            manager, tenant, session_id, message, params, created=True, erase=not store, cancel=cancel
+            manager, tenant, session_id, message, options, created=True, erase=not store, cancel=cancel
         ), turns
     if point.latest and store:
         try:
             return (
-                start_turn(manager, tenant, point.session_id, message, params, expected_turns=turns, cancel=cancel),
+                start_turn(manager, tenant, point.session_id, message, options, expected_turns=turns, cancel=cancel),
                 turns,
             )
         except SessionBusy:  # a turn in flight on it, or it moved on meanwhile: branch instead
             pass
     fork = manager.fork(tenant, point.session_id, turns)
-    return start_turn(manager, tenant, fork, message, params, created=True, erase=not store, cancel=cancel), turns
+    return start_turn(manager, tenant, fork, message, options, created=True, erase=not store, cancel=cancel), turns
 
 
 def _start_in_conversation(
@@ -324,7 +324,7 @@ def _start_in_conversation(
     tenant: Tenant,
     body: ResponseRequest,
     conversation_id: str,
-    params: TurnParams,
+    options: TurnOptions,
     cancel: CancelToken,
     head: dict[str, Any],
 ) -> _Turn:
@@ -338,13 +338,13 @@ def _start_in_conversation(
         turns = len(conversation.history)
         try:
             turn = start_turn(
-                manager, tenant, record.session_id, conversation.message, params, expected_turns=turns, cancel=cancel
+                manager, tenant, record.session_id, conversation.message, options, expected_turns=turns, cancel=cancel
             )
             return _Turn(turn, turns, head, item_id(), new_items, True, conversation_id)
         except SessionBusy:  # moved on meanwhile: a new session holding the items instead
             pass
     session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-    turn = start_turn(manager, tenant, session_id, conversation.message, params, created=True, cancel=cancel)
+    turn = start_turn(manager, tenant, session_id, conversation.message, options, created=True, cancel=cancel)
     return _Turn(turn, len(conversation.history), head, item_id(), new_items, True, conversation_id)
 
 

@@ -25,10 +25,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import ApiError, unsupported
-from app.http.api_turns import TurnParams, check_message, check_openai_ranges
+from app.http.api_turns import check_message, check_openai_ranges
 from app.http.chat_request import DEFAULT_MAX_TOKENS, ChatMessage
 from app.http.openai_api import Conversation, parse_messages
-from sessions import MAX_MESSAGE_CHARS, InvalidInput, Reply, check_text
+from sessions import MAX_MESSAGE_CHARS, InvalidInput, Reply, TurnOptions, check_text
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -165,17 +165,16 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
-def turn_params(body: ResponseRequest) -> TurnParams:
+def turn_options(body: ResponseRequest) -> TurnOptions:
     """The turn's parameters, with OpenAI's defaults. Raises `ApiError` or `InvalidInput` for bad values."""
     check_openai_ranges(
         temperature=body.temperature, max_tokens=body.max_output_tokens, max_tokens_name="max_output_tokens"
     )
-    return TurnParams(
+    return TurnOptions(
         max_new_tokens=DEFAULT_MAX_TOKENS if body.max_output_tokens is None else body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
-        stop=(),
     )
 
 

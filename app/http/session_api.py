@@ -38,7 +38,6 @@ from app.http.api_turns import (
     SESSION_HEADER,
     IdempotencyGuard,
     StartedTurn,
-    TurnParams,
     Usage,
     check_message,
     start_turn,
@@ -58,6 +57,7 @@ from sessions import (
     SessionInfo,
     SessionManager,
     Tenant,
+    TurnOptions,
 )
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,7 @@ def _send(
 ) -> Response:
     """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    params = TurnParams(
+    options = TurnOptions(
         body.max_tokens,
         body.temperature,
         body.top_p,
@@ -313,7 +313,7 @@ def _send(
             return EventStream(_replayed_events(recorded), headers=headers)
         return JSONResponse(recorded.model_dump(), headers=headers)
     try:
-        turn = start_turn(manager, tenant, session_id, message, params, cancel=cancel)
+        turn = start_turn(manager, tenant, session_id, message, options, cancel=cancel)
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.http.api_turns import TurnParams, continue_history
+from app.http.api_turns import continue_history
 from sessions.engine import Engine, Request
 from sessions.errors import InvalidInput
 from sessions.manager import SessionManager
@@ -15,6 +15,7 @@ from sessions.records import Reply
 from sessions.sampling import SamplingParams
 from sessions.turn.chat_template import PastTurn
 from sessions.turn.stop_strings import StopScanner, StopStrings
+from sessions.turn_options import TurnOptions
 from tests.sessions.test_exact_reuse import expected_new_turn_tokens, greedy_from_scratch
 
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_new_tokens": 40}
@@ -238,7 +239,7 @@ def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_cl
     manager = real_manager
     tenant = manager.create_tenant("acme")
     tokenizer = manager.engine.tokenizer
-    first = continue_history(manager, tenant, SYSTEM, [], FRUITS, TurnParams(40, 0.0, 1.0, None, (stop,)))
+    first = continue_history(manager, tenant, SYSTEM, [], FRUITS, TurnOptions(40, 0.0, 1.0, None, (stop,)))
     cut = first.run()
     assert cut.finish_reason == "stop" and stop not in cut.text and cut.text.startswith("1. Bana")
     cut_ids = tuple(tokenizer.encode(cut.text, add_special_tokens=False))
@@ -247,7 +248,7 @@ def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_cl
     posted = [(FRUITS, cut.text)]
     if found_by == "history":
         # The stateless client posts the history it saw: the session is found and continued.
-        started = continue_history(manager, tenant, SYSTEM, posted, SWEETEST, TurnParams(30, 0.0, 1.0, None, ()))
+        started = continue_history(manager, tenant, SYSTEM, posted, SWEETEST, TurnOptions(30, 0.0, 1.0, None, ()))
         assert (started.session_id, started.created) == (first.session_id, False)
         follow = started.run()
     else:
