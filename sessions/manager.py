@@ -43,13 +43,14 @@ from sessions.errors import (
     SessionNotFound,
     TenantNotFound,
 )
-from sessions.history_lookup import HistoryTurn
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.replicas.routing import Route
 from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
 from sessions.settings import Settings
+from sessions.turn_door import PlannedTurn
 from sessions.turn_options import TurnOptionKeywords, TurnOptions
+from sessions.turn_target import TurnPlan, TurnTarget
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import BadMasterKey, KeyRingError
@@ -387,10 +388,10 @@ class SessionManager:
         *,
         cancel: CancelToken | None = None,
         **keywords: Unpack[TurnOptionKeywords],
-    ) -> HistoryTurn:
+    ) -> PlannedTurn:
         """A turn for a conversation its client brings along whole (the stateless pattern of
         OpenAI clients): `history` holds the earlier turns as `(user text, reply text as returned:
-        Reply.text)`. The session is chosen when the turn starts (`sessions.history_lookup`):
+        Reply.text)`. The session is chosen when the turn starts (`sessions.turn_door`):
         the tenant's session whose whole history this is (continue), a fork of one holding it
         and more (regenerate, edit, retry: warm from its KV), or a new session holding it. Iterate
         the result for the pieces, then the `Reply`; its `session_id` and `action` are set by the
@@ -398,18 +399,59 @@ class SessionManager:
 
         Raises (at the first item): as `stream_chat`, and `HistoryTooLong`.
         """
+        target = TurnTarget(system_prompt, history)
+        return self.run_turn(tenant, target, message, options, cancel=cancel, **keywords)
+
+    def plan_turn(self, tenant: TenantRef, target: TurnTarget, *, forwarded: bool = False) -> TurnPlan:
+        """Where a turn to `target` runs: the session it continues, forks or makes, and the route
+        among replicas (`sessions.turn_door`; one prefix lookup for a posted history). Run it
+        with `run_turn`; a plan is for one request (a session may move on meanwhile: the plan's
+        later steps take the turn then).
+
+        Args:
+            forwarded: the request came from another replica (its hop marker): never forward it.
+
+        Raises:
+            ResponseNotFound, ConversationNotFound: the target names none of the tenant's (a
+                session that is not the tenant's is `run_turn`'s `SessionNotFound`).
+            InvalidInput: a posted system prompt or history that is not the named session's.
+        """
+        self._check_open()
+        return self._parts.door.plan(self._parts.registry.tenant_id(tenant), target, forwarded=forwarded)
+
+    def run_turn(
+        self,
+        tenant: TenantRef,
+        plan: TurnPlan | TurnTarget,
+        message: str,
+        options: TurnOptions | None = None,
+        *,
+        cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
+    ) -> PlannedTurn:
+        """The turn of `plan` (a `TurnTarget`: planned when the turn starts). Iterate the result
+        for the pieces, then the `Reply`; its `session_id`, `action`, `parent_id` and
+        `turn_index` are set by the first item. A session made for the turn goes again unless
+        the turn completes. See `stream_chat` for the other arguments.
+
+        Raises: `InvalidInput` for the message or options; at the first item, as `stream_chat`
+        and `plan_turn`, and `HistoryTooLong` for a new session's history.
+        """
         self._check_open()
         options = TurnOptions.of(options, keywords)
         _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
-        turns = self._parts.turns
+        turns, door = self._parts.turns, self._parts.door
 
         def start(session_id: SessionId, expected_turns: int | None) -> Generator[str | Reply, None, None]:
             if cancel is not None:
                 cancel.check()
             return turns.stream(tenant_id, session_id, message, options, expected_turns=expected_turns, cancel=cancel)
 
-        return self._parts.lookup.turn(tenant_id, system_prompt, history, start)
+        if isinstance(plan, TurnTarget):
+            target = plan
+            return door.run(tenant_id, lambda: door.plan(tenant_id, target, routed=False), start)
+        return door.run(tenant_id, plan, start)
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -439,9 +481,10 @@ class SessionManager:
     # -- replicas ------------------------------------------------------------------------------
 
     def route_turn(self, tenant: TenantRef, session_id: str | None, *, forwarded: bool = False) -> Route:
-        """Where a turn of the tenant's session (an id or a name; `None` or an unknown one: a new
-        session) runs among replicas: here, forwarded to the owner, or here once the owner hands
-        it over (`sessions.replicas.routing`); always here for a single process.
+        """Where a fork or prefetch of the tenant's session (an id or a name; `None` or an unknown
+        one: a new session) runs among replicas (a turn's route is `plan_turn`'s): here, forwarded
+        to the owner, or here once the owner hands it over (`sessions.replicas.routing`); always
+        here for a single process.
 
         Args:
             forwarded: the request came from another replica (its hop marker): never forward it.
@@ -454,24 +497,8 @@ class SessionManager:
                 key = CacheKey.for_session(tenant_id, SessionId(registry.session_record(tenant_id, session_id).id))
         return self._routed(key, forwarded)
 
-    def route_history(
-        self,
-        tenant: TenantRef,
-        system_prompt: str | None,
-        history: Sequence[tuple[str, str]],
-        *,
-        forwarded: bool = False,
-    ) -> Route:
-        """`route_turn` for `continue_history`: the route of the session the posted history would
-        continue, or of the parent it would fork (`Route.session_id`; `None`: a new session)."""
-        tenant_id = self._parts.registry.tenant_id(tenant)
-        found = self._parts.lookup.session_for(tenant_id, system_prompt, history)
-        return self._routed(CacheKey.for_session(tenant_id, found) if found is not None else None, forwarded)
-
     def _routed(self, key: CacheKey | None, forwarded: bool) -> Route:
-        route = self._parts.replicas.route(key, forwarded=forwarded)
-        self._parts.metrics.routes.labels(route.kind).inc()
-        return route
+        return self._parts.door.route(key, forwarded)
 
     def forward_failed(self, route: Route, error: str) -> Route:
         """A forward that never reached `route.url` (`error`: why, one line): the turn runs here

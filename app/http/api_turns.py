@@ -1,19 +1,8 @@
-"""A turn asked for over the `/v1/` API: its parameters checked before anything is stored, the
-session it runs on (named, or found by the posted history), and its first reply piece awaited
-before the HTTP answer starts, so that every refusal (busy session, context too long) is still an
-HTTP status rather than an error inside a stream.
-
-Sessions found by history (stateless clients, which post the whole conversation each time):
-
-    posted     system S, user u1, assistant a1, ..., user u(n)
-    lookup     the tenant's sessions whose history digest is that of (S, u1, a1, ..., u(n-1), a(n-1))
-               (assistant texts as they were returned), most recently active first
-    continue   the first one that is idle and still has exactly n-1 turns
-    otherwise  a new session holding the posted history (its first turn re-prefills it)
-
-An edited history has another digest, so it never continues a cache computed for another history.
-A new session whose first turn does not complete (refused, failed, or its client went away) is
-deleted again: a request that fails leaves nothing stored.
+"""A turn asked for over the `/v1/` API: its request read and planned once (`Decided`: the
+`TurnPlan` of the `TurnTarget` the face built, with its route among replicas), then run here or
+forwarded (`app.http.forwarding`), its first reply piece awaited before the HTTP answer starts, so
+that every refusal (busy session, context too long) is still an HTTP status rather than an error
+inside a stream. Which session a turn runs on is `sessions.turn_door`'s to decide.
 
 A turn's route is an `async def` that runs the blocking turn in the threadpool and meanwhile
 listens for its client's disconnect (`run_watching_disconnect`): a client that goes away while the
@@ -25,9 +14,8 @@ client's retry of a completed turn gets that answer instead of a second turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -38,21 +26,19 @@ from pydantic import BaseModel, Field
 from app.http.api_errors import ApiError
 from sessions import (
     MAX_MESSAGE_CHARS,
-    SESSION_ID_PREFIX,
     CancelToken,
-    ChatKVError,
     Claimed,
-    HistoryTurn,
     InProgress,
     InvalidInput,
     KeyReused,
+    PlannedTurn,
     Replay,
     Reply,
-    SessionExists,
+    Route,
     SessionManager,
-    SessionNotFound,
     Tenant,
     TurnOptions,
+    TurnPlan,
     check_text,
 )
 
@@ -201,20 +187,44 @@ def check_message(text: object, what: str = "message") -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Posted:
+    """Posted messages as chatkv takes them: a system prompt, earlier turns (user text, reply text
+    as it was returned) and the new user message."""
+
+    system_prompt: str | None
+    history: list[tuple[str, str]]
+    message: str
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A turn request read and planned before anything runs (`Forwarder.run_turn`'s `decide`):
+    the plan (with its route), the posted messages, the options."""
+
+    plan: TurnPlan
+    posted: Posted
+    options: TurnOptions
+
+    @property
+    def route(self) -> Route:
+        return self.plan.route
+
+
 @dataclass
 class StartedTurn:
     """A turn whose first item (a text piece, or the `Reply` of an empty reply) has arrived."""
 
-    manager: SessionManager
-    tenant: Tenant
     session_id: str
     first: str | Reply
-    rest: TurnStream | HistoryTurn
-    created: bool = False
-    """The session was made for this turn (deleted again unless the turn completes)."""
-    erase: bool = False
-    """Deleting that session also erases the freed database pages (`store: false`)."""
+    rest: PlannedTurn
     reply: Reply | None = field(default=None, init=False)
+
+    @property
+    def turn_index(self) -> int:
+        if self.rest.turn_index is None:
+            raise RuntimeError("bug: a turn's index is known only for a planned history")
+        return self.rest.turn_index
 
     def items(self) -> Iterator[str | Reply]:
         """The first item, then the rest; the last is the `Reply` (the turn is then stored)."""
@@ -238,12 +248,9 @@ class StartedTurn:
         return self.reply
 
     def close(self) -> None:
-        """End the turn: an unfinished one is cancelled (nothing stored), and a session made for it
-        is deleted unless its turn was stored."""
+        """End the turn: an unfinished one is cancelled (nothing stored, and a session made for
+        it deleted)."""
         self.rest.close()
-        if self.created and self.reply is None:
-            with contextlib.suppress(ChatKVError):
-                self.manager.delete_session(self.tenant, self.session_id, erase=self.erase)
 
 
 def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
@@ -251,100 +258,17 @@ def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Re
     yield from rest
 
 
-def start_turn(
-    manager: SessionManager,
-    tenant: Tenant,
-    session_id: str,
-    message: str,
-    options: TurnOptions,
-    *,
-    created: bool = False,
-    erase: bool = False,
-    expected_turns: int | None = None,
-    cancel: CancelToken | None = None,
-) -> StartedTurn:
-    """Run the turn up to its first item. `erase`: a `created` session deleted again is erased
-    from the database files too (`SessionManager.delete_session(erase=True)`).
+def start_turn(manager: SessionManager, tenant: Tenant, decided: Decided, cancel: CancelToken) -> StartedTurn:
+    """Run the planned turn up to its first item (`SessionManager.run_turn`).
 
     Raises:
-        ChatKVError: the turn was refused (nothing stored; a `created` session is deleted), or
-            `TurnCancelled` by `cancel`.
+        ChatKVError: the turn was refused (nothing stored), or `TurnCancelled` by `cancel`.
     """
-    stream = manager.stream_chat(tenant, session_id, message, options, expected_turns=expected_turns, cancel=cancel)
-    try:
-        first = next(stream)
-    except ChatKVError:
-        if created:
-            with contextlib.suppress(ChatKVError):
-                manager.delete_session(tenant, session_id, erase=erase)
-        raise
-    return StartedTurn(manager, tenant, session_id, first, stream, created=created, erase=erase)
-
-
-def continue_history(
-    manager: SessionManager,
-    tenant: Tenant,
-    system_prompt: str | None,
-    history: Sequence[tuple[str, str]],
-    message: str,
-    options: TurnOptions,
-    cancel: CancelToken | None = None,
-) -> StartedTurn:
-    """The turn of a posted history (`SessionManager.continue_history`: continue, fork or a new
-    session), run to its first item. A session made for it goes again unless the turn completes.
-
-    Raises:
-        ChatKVError: the turn was refused (nothing stored).
-    """
-    turn = manager.continue_history(tenant, system_prompt, history, message, options, cancel=cancel)
+    turn = manager.run_turn(tenant, decided.plan, decided.posted.message, decided.options, cancel=cancel)
     first = turn.start()
     if turn.session_id is None:
-        raise RuntimeError("bug: a started history turn has no session")
-    return StartedTurn(manager, tenant, turn.session_id, first, turn)
-
-
-def named_turn(
-    manager: SessionManager,
-    tenant: Tenant,
-    session_id: str,
-    system_prompt: str | None,
-    history: Sequence[tuple[str, str]],
-    message: str,
-    options: TurnOptions,
-    cancel: CancelToken | None = None,
-) -> StartedTurn:
-    """The turn of a session the client names (`X-Session-ID`, `session_id`), run to its first item.
-
-    A name the tenant has not used starts a session under it, holding the posted history
-    (`SessionManager.open_session(name=...)`; deleted again unless this turn completes). A session
-    that exists takes the new message alone (with its own system message, if any), or the whole
-    conversation when the posted history is exactly its own (stateless clients that name their
-    sessions).
-
-    Raises:
-        SessionNotFound: for an unknown id of chatkv's own form (`s_...`), another tenant's too.
-        InvalidInput: for a new name outside the documented form, or a history that is not the
-            session's.
-    """
-    try:
-        info = manager.session_info(tenant, session_id)
-    except SessionNotFound:
-        if session_id.startswith(SESSION_ID_PREFIX):
-            raise
-        try:
-            created = manager.open_session(tenant, system_prompt, history=history, name=session_id)
-        except SessionExists:  # another request named it first: go on with that one
-            return named_turn(manager, tenant, session_id, system_prompt, history, message, options, cancel)
-        return start_turn(manager, tenant, created, message, options, created=True, cancel=cancel)
-    if system_prompt is not None and system_prompt != info.system_prompt:
-        raise InvalidInput("the system message differs from the session's system prompt")
-    if history and info.id not in manager.find_sessions_by_history(tenant, system_prompt, history):
-        raise InvalidInput(
-            "the posted history is not this session's: send only the new user message, or its whole history "
-            "as it was returned"
-        )
-    expected = len(history) if history else None
-    return start_turn(manager, tenant, info.id, message, options, expected_turns=expected, cancel=cancel)
+        raise RuntimeError("bug: a started turn has no session")
+    return StartedTurn(turn.session_id, first, turn)
 
 
 class PromptTokensDetails(BaseModel):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible face: `POST /v1/chat/completions` and `GET /v1/models`.
 
 Stock OpenAI clients work unchanged (`base_url=<server>/v1`, `api_key=<tenant API key>`). A
-request continues a server-side session, found one of two ways (`app.http.api_turns`):
+request continues a server-side session, found one of two ways (`sessions.turn_door`):
 
 - **explicit**: `X-Session-ID: <id>` (or a `session_id` field): `messages` holds only the new user
   message, after an optional system message that must be the session's;
@@ -36,7 +36,6 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -50,12 +49,13 @@ from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     SESSION_HEADER,
+    Decided,
     IdempotencyGuard,
+    Posted,
     StartedTurn,
     Usage,
     check_message,
-    continue_history,
-    named_turn,
+    start_turn,
     usage,
 )
 from app.http.chat_request import (
@@ -72,9 +72,9 @@ from sessions import (
     ChatKVError,
     InvalidInput,
     Reply,
-    Route,
     SessionManager,
     Tenant,
+    TurnTarget,
     check_text,
 )
 
@@ -117,16 +117,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """Posted messages as chatkv takes them: a system prompt, earlier turns (user text, reply text
-    as it was returned) and the new user message."""
-
-    system_prompt: str | None
-    history: list[tuple[str, str]]
-    message: str
 
 
 def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
@@ -190,25 +180,27 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarde
         A client that disconnects before the answer is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: _route(manager, body, tenant, x_session_id, forwarded=hop),
-            lambda raw, cancel: _complete(manager, body, raw, tenant, x_session_id, idempotency_key, cancel),
+            lambda hop: _decide(manager, body, tenant, x_session_id, forwarded=hop),
+            lambda raw, cancel, decided: _complete(
+                manager, body, raw, tenant, x_session_id, idempotency_key, cancel, decided
+            ),
         )
 
     return router
 
 
-def _route(
+def _decide(
     manager: SessionManager, body: ChatCompletionRequest, tenant: Tenant, x_session_id: str | None, *, forwarded: bool
-) -> Route:
-    """Where the turn runs among replicas: its named session's route, or that of the session its
-    posted history continues or forks (`SessionManager.route_turn`, `route_history`)."""
+) -> Decided:
+    """Check and read the request (refused here, before a forward) and plan its turn: on its named
+    session, or on the session its posted history continues or forks (`sessions.turn_door`)."""
     _check_model(manager, body.model)
-    refuse_unsupported(body)  # before a forward: refused here, not on the session's owner
-    conversation = parse_messages(body.messages)
-    session_id = _session_id(x_session_id, body.session_id)
-    if session_id is not None:
-        return manager.route_turn(tenant, session_id, forwarded=forwarded)
-    return manager.route_history(tenant, conversation.system_prompt, conversation.history, forwarded=forwarded)
+    refuse_unsupported(body)
+    options = turn_options(body)
+    posted = parse_messages(body.messages)
+    session = _session_id(x_session_id, body.session_id)
+    target = TurnTarget(posted.system_prompt, posted.history, session=session, create=True)
+    return Decided(manager.plan_turn(tenant, target, forwarded=forwarded), posted, options)
 
 
 def _complete(
@@ -219,14 +211,10 @@ def _complete(
     x_session_id: str | None,
     idempotency_key: str | None,
     cancel: CancelToken,
+    decided: Decided,
 ) -> Response:
-    """The blocking part of `POST /chat/completions` (run in the threadpool): check, claim the
+    """The blocking part of `POST /chat/completions` (run in the threadpool): claim the
     idempotency key, run the turn to its first piece (streamed) or to its end."""
-    _check_model(manager, body.model)
-    refuse_unsupported(body)
-    options = turn_options(body)
-    conversation = parse_messages(body.messages)
-    session_id = _session_id(x_session_id, body.session_id)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     guard = IdempotencyGuard(
         manager, tenant, idempotency_key, "/v1/chat/completions", raw, target={SESSION_HEADER: x_session_id}
@@ -238,33 +226,14 @@ def _complete(
             return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
         return JSONResponse(completion.model_dump(), headers=headers)
     try:
-        if session_id is None:
-            turn = continue_history(
-                manager,
-                tenant,
-                conversation.system_prompt,
-                conversation.history,
-                conversation.message,
-                options,
-                cancel,
-            )
-        else:
-            turn = named_turn(
-                manager,
-                tenant,
-                session_id,
-                conversation.system_prompt,
-                conversation.history,
-                conversation.message,
-                options,
-                cancel,
-            )
+        turn = start_turn(manager, tenant, decided, cancel)
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
     # A client that named the session gets its own name back.
-    headers = {SESSION_HEADER: session_id if session_id is not None else turn.session_id}
+    session = decided.plan.target.session
+    headers = {SESSION_HEADER: session if session is not None else turn.session_id}
     if body.stream:
         head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
         return EventStream(
@@ -292,7 +261,7 @@ def _check_model(manager: SessionManager, model: str) -> None:
         )
 
 
-def parse_messages(messages: list[ChatMessage]) -> Conversation:
+def parse_messages(messages: list[ChatMessage]) -> Posted:
     """Split posted messages into system prompt, earlier turns and the new message.
 
     Raises:
@@ -328,7 +297,7 @@ def parse_messages(messages: list[ChatMessage]) -> Conversation:
         )
     history = [(rest[i][1], rest[i + 1][1]) for i in range(0, len(rest) - 1, 2)]
     new_message = check_message(rest[-1][1], f"messages[{len(texts) - 1}].content")
-    return Conversation(system_prompt, history, new_message)
+    return Posted(system_prompt, history, new_message)
 
 
 def _text(message: ChatMessage, where: str) -> str:

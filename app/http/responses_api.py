@@ -46,12 +46,12 @@ from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     SESSION_HEADER,
+    Decided,
     IdempotencyGuard,
     StartedTurn,
     start_turn,
 )
 from app.http.forwarding import Forwarder
-from app.http.openai_api import Conversation
 from app.http.responses_items import (
     ResponseRequest,
     as_input_items,
@@ -76,14 +76,10 @@ from sessions import (
     ChatKVError,
     InvalidInput,
     Reply,
-    ResponsePoint,
-    Route,
-    SessionBusy,
     SessionManager,
-    SessionNotFound,
     Tenant,
     TurnCancelled,
-    TurnOptions,
+    TurnTarget,
 )
 
 
@@ -157,8 +153,10 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
         that disconnects before the answer is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: _route(manager, body, tenant, forwarded=hop),
-            lambda raw, cancel: _create(manager, body, raw, tenant, idempotency_key, cancel, in_flight),
+            lambda hop: _decide(manager, body, tenant, forwarded=hop),
+            lambda raw, cancel, decided: _create(
+                manager, body, raw, tenant, idempotency_key, cancel, in_flight, decided
+            ),
         )
 
     @router.get("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
@@ -198,16 +196,49 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
     return router
 
 
-def _route(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Route:
-    """Where the turn runs among replicas: that of the previous response's session, or of the
-    conversation's, if any."""
-    session_id = None
+def _decide(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Decided:
+    """Check and read the request (refused here, before a forward or anything stored) and plan its
+    turn (`sessions.turn_door`): after the previous response, in the conversation, or a new
+    session holding the input's earlier turns."""
+    if body.model != manager.model_name:
+        raise ApiError(
+            404,
+            f"the model `{body.model}` does not exist; this server serves `{manager.model_name}`",
+            "model_not_found",
+            param="model",
+        )
+    refuse_unsupported(body)
+    check_metadata(body.metadata)
+    options = turn_options(body)
+    store = body.store is not False
     conversation_id = body.conversation_id()
-    if body.previous_response_id is not None:
-        session_id = manager.responses.point(tenant.id, body.previous_response_id).session_id
-    elif conversation_id is not None:
-        session_id = manager.conversations.get(tenant.id, conversation_id).session_id
-    return manager.route_turn(tenant, session_id, forwarded=forwarded)
+    if conversation_id is not None and body.previous_response_id is not None:
+        raise ApiError(
+            400, "conversation and previous_response_id cannot both be given", "invalid_request", param="conversation"
+        )
+    if conversation_id is not None and not store:
+        raise unsupported("`store: false` with a conversation is", "store")
+    if conversation_id is not None:
+        record = manager.conversations.get(tenant.id, conversation_id)
+        manager.conversations.check_room(record, [*stored_items(input_as_items(body)), output_message(item_id(), "")])
+        posted = parse_input(body, as_input_items(manager.conversations.items(tenant.id, conversation_id)))
+    else:
+        posted = parse_input(body)
+    if body.previous_response_id is not None and (
+        posted.history or posted.system_prompt not in (None, body.instructions)
+    ):
+        raise InvalidInput(
+            "with previous_response_id, input holds only the new user message (a string or one user item)"
+        )
+    system_prompt = body.instructions if body.previous_response_id is not None else posted.system_prompt
+    target = TurnTarget(
+        system_prompt,
+        posted.history,
+        previous_response=body.previous_response_id,
+        conversation=conversation_id,
+        store=store,
+    )
+    return Decided(manager.plan_turn(tenant, target, forwarded=forwarded), posted, options)
 
 
 def _create(
@@ -218,28 +249,11 @@ def _create(
     idempotency_key: str | None,
     cancel: CancelToken,
     in_flight: InFlight,
+    decided: Decided,
 ) -> Response:
-    """The blocking part of `POST /responses` (run in the threadpool): check, claim the
-    idempotency key, start the turn; stream it, or run it to its end and store it."""
-    if body.model != manager.model_name:
-        raise ApiError(
-            404,
-            f"the model `{body.model}` does not exist; this server serves `{manager.model_name}`",
-            "model_not_found",
-            param="model",
-        )
-    refuse_unsupported(body)
-    metadata = check_metadata(body.metadata)
-    options = turn_options(body)
-    store = body.store is not False
-    conversation_id = body.conversation_id()
-    if conversation_id is not None and body.previous_response_id is not None:
-        raise ApiError(
-            400, "conversation and previous_response_id cannot both be given", "invalid_request", param="conversation"
-        )
-    if conversation_id is not None and not store:
-        raise unsupported("`store: false` with a conversation is", "store")
-    conversation = parse_input(body)  # checked before anything is stored or run
+    """The blocking part of `POST /responses` (run in the threadpool): claim the idempotency key,
+    start the turn; stream it, or run it to its end and store it."""
+    store = decided.plan.target.store
     # `store: false` keeps nothing, not even the answer under an idempotency key.
     guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
     if guard.replay is not None:
@@ -248,17 +262,15 @@ def _create(
         if body.stream:
             return EventStream(replayed_events(recorded), headers=headers)
         return JSONResponse(recorded, headers=headers)
-    response_id = manager.responses.new_id()
-    head = response_head(response_id, manager.model_name, body, metadata)
+    head = response_head(manager.responses.new_id(), manager.model_name, body, body.metadata or {})
+    conversation_id = body.conversation_id()
+    items = stored_items(input_as_items(body)) if conversation_id is not None else input_items(decided.posted)
     try:
-        if conversation_id is not None:
-            run = _start_in_conversation(manager, tenant, body, conversation_id, options, cancel, head)
-        else:
-            started = _start(manager, tenant, body, conversation, options, cancel, store)
-            run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
+        turn = start_turn(manager, tenant, decided, cancel)
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
+    run = _Turn(turn, turn.turn_index, head, item_id(), items, store, conversation_id)
     # `store: false` keeps no session: its answer names none.
     headers = {SESSION_HEADER: run.turn.session_id} if store else {}
     if body.stream:
@@ -274,95 +286,6 @@ def _create(
     finally:
         run.turn.close()
     return JSONResponse(final, headers=headers)
-
-
-def _start(
-    manager: SessionManager,
-    tenant: Tenant,
-    body: ResponseRequest,
-    conversation: Conversation,
-    options: TurnOptions,
-    cancel: CancelToken,
-    store: bool,
-) -> tuple[StartedTurn, int]:
-    """The turn of the response on its session (see the module docstring), run to its first item;
-    returns it and its turn index."""
-    message = conversation.message
-    if body.previous_response_id is None:
-        session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-        turn = start_turn(manager, tenant, session_id, message, options, created=True, erase=not store, cancel=cancel)
-        return turn, len(conversation.history)
-    if conversation.history or conversation.system_prompt not in (None, body.instructions):
-        raise InvalidInput(
-            "with previous_response_id, input holds only the new user message (a string or one user item)"
-        )
-    point = manager.responses.point(tenant.id, body.previous_response_id)
-    turns = point.turn_index + 1
-    if (
-        body.instructions is not None
-        and body.instructions != manager.session_info(tenant, point.session_id).system_prompt
-    ):
-        earlier = _turns(manager, tenant, point)
-        session_id = manager.open_session(tenant, body.instructions, history=earlier)
-        return start_turn(
-            manager, tenant, session_id, message, options, created=True, erase=not store, cancel=cancel
-        ), turns
-    if point.latest and store:
-        try:
-            return (
-                start_turn(manager, tenant, point.session_id, message, options, expected_turns=turns, cancel=cancel),
-                turns,
-            )
-        except SessionBusy:  # a turn in flight on it, or it moved on meanwhile: branch instead
-            pass
-    fork = manager.fork(tenant, point.session_id, turns)
-    return start_turn(manager, tenant, fork, message, options, created=True, erase=not store, cancel=cancel), turns
-
-
-def _start_in_conversation(
-    manager: SessionManager,
-    tenant: Tenant,
-    body: ResponseRequest,
-    conversation_id: str,
-    options: TurnOptions,
-    cancel: CancelToken,
-    head: dict[str, Any],
-) -> _Turn:
-    """The response's turn after its conversation's items: on the conversation's session while
-    that holds exactly those items, else on a new session holding them (`sessions.conversations`)."""
-    record = manager.conversations.get(tenant.id, conversation_id)
-    new_items = stored_items(input_as_items(body))
-    manager.conversations.check_room(record, [*new_items, output_message(item_id(), "")])
-    conversation = parse_input(body, as_input_items(manager.conversations.items(tenant.id, conversation_id)))
-    if record.session_id is not None and _holds(manager, tenant, record.session_id, conversation):
-        turns = len(conversation.history)
-        try:
-            turn = start_turn(
-                manager, tenant, record.session_id, conversation.message, options, expected_turns=turns, cancel=cancel
-            )
-            return _Turn(turn, turns, head, item_id(), new_items, True, conversation_id)
-        except SessionBusy:  # moved on meanwhile: a new session holding the items instead
-            pass
-    session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-    turn = start_turn(manager, tenant, session_id, conversation.message, options, created=True, cancel=cancel)
-    return _Turn(turn, len(conversation.history), head, item_id(), new_items, True, conversation_id)
-
-
-def _holds(manager: SessionManager, tenant: Tenant, session_id: str, conversation: Conversation) -> bool:
-    """Whether the session holds exactly the conversation's system prompt and earlier turns."""
-    try:
-        info = manager.session_info(tenant, session_id)
-        messages = manager.history(tenant, session_id)
-    except SessionNotFound:
-        return False
-    held = [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
-    return info.system_prompt == conversation.system_prompt and held == list(conversation.history)
-
-
-def _turns(manager: SessionManager, tenant: Tenant, point: ResponsePoint) -> list[tuple[str, str]]:
-    """The session's turns through the response's, as (user text, reply text)."""
-    messages = manager.history(tenant, point.session_id)[: 2 * (point.turn_index + 1)]
-    return [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
 
 
 def _finish(

@@ -25,9 +25,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import ApiError, unsupported
-from app.http.api_turns import check_message, check_openai_ranges
+from app.http.api_turns import Posted, check_message, check_openai_ranges
 from app.http.chat_request import DEFAULT_MAX_TOKENS, ChatMessage
-from app.http.openai_api import Conversation, parse_messages
+from app.http.openai_api import parse_messages
 from sessions import MAX_MESSAGE_CHARS, InvalidInput, Reply, TurnOptions, check_text
 
 MAX_METADATA_PAIRS = 16
@@ -178,7 +178,7 @@ def turn_options(body: ResponseRequest) -> TurnOptions:
     )
 
 
-def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Conversation:
+def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Posted:
     """The request's input, after the `earlier` items of its conversation, as a turn: system
     prompt (`instructions`, then leading system items), earlier turns, the new user message.
 
@@ -189,7 +189,7 @@ def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Con
     if body.instructions is not None:
         check_text(body.instructions, "instructions", MAX_MESSAGE_CHARS)
     if isinstance(body.input, str) and not earlier:
-        return Conversation(body.instructions, [], check_message(body.input, "input"))
+        return Posted(body.instructions, [], check_message(body.input, "input"))
     items = input_as_items(body)
     if not items:
         raise InvalidInput("input must hold at least one message")
@@ -264,7 +264,7 @@ def item_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-def input_items(conversation: Conversation) -> list[dict[str, Any]]:
+def input_items(conversation: Posted) -> list[dict[str, Any]]:
     """The input items as `input_items.list` returns them (`ResponseInputMessageItem` for user
     messages, `ResponseOutputMessage` for assistant ones); the system prompt is not an item."""
     items = []

@@ -36,7 +36,9 @@ from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     SESSION_HEADER,
+    Decided,
     IdempotencyGuard,
+    Posted,
     StartedTurn,
     Usage,
     check_message,
@@ -58,6 +60,7 @@ from sessions import (
     SessionManager,
     Tenant,
     TurnOptions,
+    TurnTarget,
 )
 
 log = logging.getLogger(__name__)
@@ -260,8 +263,10 @@ def session_router(
         client that disconnects before the reply is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: manager.route_turn(tenant, session_id, forwarded=hop),
-            lambda raw, cancel: _send(manager, session_id, body, raw, tenant, idempotency_key, cancel),
+            lambda hop: _decide(manager, session_id, body, tenant, forwarded=hop),
+            lambda raw, cancel, decided: _send(
+                manager, session_id, body, raw, tenant, idempotency_key, cancel, decided
+            ),
         )
 
     @router.post(
@@ -284,16 +289,10 @@ def session_router(
     return router
 
 
-def _send(
-    manager: SessionManager,
-    session_id: str,
-    body: MessageCreate,
-    raw: bytes,
-    tenant: Tenant,
-    idempotency_key: str | None,
-    cancel: CancelToken,
-) -> Response:
-    """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
+def _decide(
+    manager: SessionManager, session_id: str, body: MessageCreate, tenant: Tenant, *, forwarded: bool
+) -> Decided:
+    """Check the request and plan its turn on the session (`SessionManager.plan_turn`)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options = TurnOptions(
         body.max_tokens,
@@ -304,7 +303,21 @@ def _send(
         min_new_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
     )
-    message = check_message(body.content, "content")
+    posted = Posted(None, [], check_message(body.content, "content"))
+    return Decided(manager.plan_turn(tenant, TurnTarget(session=session_id), forwarded=forwarded), posted, options)
+
+
+def _send(
+    manager: SessionManager,
+    session_id: str,
+    body: MessageCreate,
+    raw: bytes,
+    tenant: Tenant,
+    idempotency_key: str | None,
+    cancel: CancelToken,
+    decided: Decided,
+) -> Response:
+    """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
     guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
     if guard.replay is not None:
         recorded = MessageReply.model_validate_json(guard.replay.response)
@@ -313,7 +326,7 @@ def _send(
             return EventStream(_replayed_events(recorded), headers=headers)
         return JSONResponse(recorded.model_dump(), headers=headers)
     try:
-        turn = start_turn(manager, tenant, session_id, message, options, cancel=cancel)
+        turn = start_turn(manager, tenant, decided, cancel)
     except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
         guard.release()
         raise
