@@ -19,14 +19,17 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from app.http.api_errors import ApiError
+from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for
+from app.http.sse import EventStream
 from sessions import (
     MAX_MESSAGE_CHARS,
     CancelToken,
+    ChatKVError,
     Claimed,
     InProgress,
     InvalidInput,
@@ -269,6 +272,82 @@ def start_turn(manager: SessionManager, tenant: Tenant, decided: Decided, cancel
     if turn.session_id is None:
         raise RuntimeError("bug: a started turn has no session")
     return StartedTurn(turn.session_id, first, turn)
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class TurnAnswer:
+    """How one turn-creating route answers; `answer_turn` does the rest, alike for every route.
+
+    Attributes:
+        replayed: the answer recorded under the request's `Idempotency-Key` (a retry's).
+        headers: the headers of a started turn's answer.
+        completed: the JSON answer of a completed turn, recorded under the key as it is made.
+        frames: a started turn's event stream, which records its answer before the closing
+            frames; `None`: the answer comes whole.
+        ended: runs once the turn has ended, however it ended.
+    """
+
+    replayed: Callable[[Replay], Response]
+    headers: Callable[[StartedTurn], dict[str, str]]
+    completed: Callable[[StartedTurn, Reply], Any]
+    frames: Callable[[StartedTurn], Iterator[str]] | None = None
+    ended: Callable[[], None] = _nothing
+
+
+def answer_turn(
+    manager: SessionManager,
+    tenant: Tenant,
+    decided: Decided,
+    cancel: CancelToken,
+    guard: IdempotencyGuard,
+    answer: TurnAnswer,
+) -> Response:
+    """A turn-creating route's turn, one way for all: a retry's recorded answer (`guard.replay`),
+    else the turn run to its first item (refusals are HTTP statuses), then streamed or run to its
+    end. However the turn ends short of its recorded answer (refused, failed, cancelled, its
+    client gone, a stream never started), the key's claim is released (a retry runs afresh) and
+    the turn closed (nothing stored)."""
+    if guard.replay is not None:
+        return answer.replayed(guard.replay)
+    try:
+        turn = start_turn(manager, tenant, decided, cancel)
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
+        _end(guard, None, answer.ended)
+        raise
+    if answer.frames is not None:
+        frames = _guarded(answer.frames(turn), guard, turn, answer.ended)
+        return EventStream(frames, headers=answer.headers(turn), unstarted=lambda: _end(guard, turn, answer.ended))
+    try:
+        body = answer.completed(turn, turn.run())
+    finally:
+        _end(guard, turn, answer.ended)
+    return JSONResponse(body, headers=answer.headers(turn))
+
+
+def _guarded(
+    frames: Iterator[str], guard: IdempotencyGuard, turn: StartedTurn, ended: Callable[[], None]
+) -> Generator[str, None, None]:
+    """`frames`, an error after the answer started as its last frame; closing it (the client went
+    away) closes the turn: it is cancelled and nothing is stored."""
+    try:
+        yield from frames
+    except (ChatKVError, *DATABASE_ERRORS) as exc:  # the session deleted meanwhile, the database gone
+        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
+    finally:
+        _end(guard, turn, ended)
+
+
+def _end(guard: IdempotencyGuard, turn: StartedTurn | None, ended: Callable[[], None]) -> None:
+    try:
+        ended()
+        guard.release()
+    finally:
+        if turn is not None:
+            turn.close()
 
 
 class PromptTokensDetails(BaseModel):

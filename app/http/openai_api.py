@@ -44,7 +44,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from app.http.api_auth import bearer_scheme, tenant_of
-from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
+from app.http.api_errors import ApiError, unsupported
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
@@ -53,9 +53,10 @@ from app.http.api_turns import (
     IdempotencyGuard,
     Posted,
     StartedTurn,
+    TurnAnswer,
     Usage,
+    answer_turn,
     check_message,
-    start_turn,
     usage,
 )
 from app.http.chat_request import (
@@ -69,8 +70,8 @@ from app.http.sse import DONE, EventStream, event
 from sessions import (
     MAX_MESSAGE_CHARS,
     CancelToken,
-    ChatKVError,
     InvalidInput,
+    Replay,
     Reply,
     SessionManager,
     Tenant,
@@ -219,36 +220,36 @@ def _complete(
     guard = IdempotencyGuard(
         manager, tenant, idempotency_key, "/v1/chat/completions", raw, target={SESSION_HEADER: x_session_id}
     )
-    if guard.replay is not None:
-        completion = ChatCompletion.model_validate_json(guard.replay.response)
-        headers = {SESSION_HEADER: guard.replay.session_id or "", REPLAYED_HEADER: "true"}
-        if body.stream:
-            return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
-        return JSONResponse(completion.model_dump(), headers=headers)
-    try:
-        turn = start_turn(manager, tenant, decided, cancel)
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
     # A client that named the session gets its own name back.
     session = decided.plan.target.session
-    headers = {SESSION_HEADER: session if session is not None else turn.session_id}
-    if body.stream:
-        head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
-        return EventStream(
-            _chunks(turn, head, include_usage, guard), headers=headers, unstarted=lambda: _abandon(guard, turn)
-        )
-    try:
-        reply = turn.run()
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    finally:
-        turn.close()
-    completion = _completion(reply_id, manager.model_name, reply)
-    guard.complete(turn.session_id, completion)
-    return JSONResponse(completion.model_dump(), headers=headers)
+    head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
+
+    def replayed(replay: Replay) -> Response:
+        completion = ChatCompletion.model_validate_json(replay.response)
+        headers = {SESSION_HEADER: replay.session_id or "", REPLAYED_HEADER: "true"}
+        if body.stream:
+            return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
+        return JSONResponse(completion.model_dump(), headers=headers)
+
+    def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
+        completion = _completion(reply_id, manager.model_name, reply)
+        guard.complete(turn.session_id, completion)
+        return completion.model_dump()
+
+    return answer_turn(
+        manager,
+        tenant,
+        decided,
+        cancel,
+        guard,
+        TurnAnswer(
+            replayed,
+            lambda turn: {SESSION_HEADER: session if session is not None else turn.session_id},
+            completed,
+            (lambda turn: _chunks(turn, head, include_usage, guard)) if body.stream else None,
+        ),
+    )
 
 
 def _check_model(manager: SessionManager, model: str) -> None:
@@ -346,36 +347,19 @@ def _chunk_frames(head: dict[str, Any], include_usage: bool) -> Callable[..., st
 def _chunks(
     turn: StartedTurn, head: dict[str, Any], include_usage: bool, guard: IdempotencyGuard
 ) -> Generator[str, None, None]:
-    """The SSE frames of a streamed completion. Closing the generator (the client went away) closes
-    the turn: it is cancelled and nothing is stored. A completed turn's answer is recorded under
-    its `Idempotency-Key` (as the `chat.completion` a retry is answered with)."""
+    """The SSE frames of a streamed completion. A completed turn's answer is recorded under its
+    `Idempotency-Key` (as the `chat.completion` a retry is answered with)."""
     chunk = _chunk_frames(head, include_usage)
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        for piece in turn.pieces():
-            yield chunk({"content": piece})
-        if turn.reply is None:
-            raise RuntimeError("bug: a streamed turn ended without a reply")
-        guard.complete(turn.session_id, _completion(head["id"], head["model"], turn.reply))
-        yield chunk({}, turn.reply.finish_reason)
-        if include_usage:
-            yield event(
-                {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(turn.reply).model_dump()}
-            )
-        yield DONE
-    except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (the session deleted meanwhile, say)
-        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
-    finally:
-        guard.release()
-        turn.close()
-
-
-def _abandon(guard: IdempotencyGuard, turn: StartedTurn) -> None:
-    """What a stream's `finally` does, for a stream that ended before its first frame."""
-    try:
-        guard.release()
-    finally:
-        turn.close()
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in turn.pieces():
+        yield chunk({"content": piece})
+    if turn.reply is None:
+        raise RuntimeError("bug: a streamed turn ended without a reply")
+    guard.complete(turn.session_id, _completion(head["id"], head["model"], turn.reply))
+    yield chunk({}, turn.reply.finish_reason)
+    if include_usage:
+        yield event({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(turn.reply).model_dump()})
+    yield DONE
 
 
 def _replayed_chunks(completion: ChatCompletion, include_usage: bool) -> Generator[str, None, None]:

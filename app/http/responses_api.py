@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -49,7 +49,8 @@ from app.http.api_turns import (
     Decided,
     IdempotencyGuard,
     StartedTurn,
-    start_turn,
+    TurnAnswer,
+    answer_turn,
 )
 from app.http.forwarding import Forwarder
 from app.http.responses_items import (
@@ -75,6 +76,7 @@ from sessions import (
     CancelToken,
     ChatKVError,
     InvalidInput,
+    Replay,
     Reply,
     SessionManager,
     Tenant,
@@ -83,17 +85,16 @@ from sessions import (
 )
 
 
-@dataclass
-class _Turn:
-    """A response's turn started on its session: turn `turn_index`, and what its answer needs."""
+@dataclass(frozen=True)
+class _Answer:
+    """What a response's answer needs beside its turn."""
 
-    turn: StartedTurn
-    turn_index: int
     head: dict[str, Any]
     message_id: str
     items: list[dict[str, Any]]
     store: bool
-    conversation_id: str | None = None
+    conversation_id: str | None
+    previous_response_id: str | None
 
 
 class InFlight:
@@ -256,45 +257,37 @@ def _create(
     store = decided.plan.target.store
     # `store: false` keeps nothing, not even the answer under an idempotency key.
     guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
-    if guard.replay is not None:
-        recorded = json.loads(guard.replay.response)
-        headers = {REPLAYED_HEADER: "true", SESSION_HEADER: guard.replay.session_id or ""}
-        if body.stream:
-            return EventStream(replayed_events(recorded), headers=headers)
-        return JSONResponse(recorded, headers=headers)
     head = response_head(manager.responses.new_id(), manager.model_name, body, body.metadata or {})
     conversation_id = body.conversation_id()
     items = stored_items(input_as_items(body)) if conversation_id is not None else input_items(decided.posted)
-    try:
-        turn = start_turn(manager, tenant, decided, cancel)
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    run = _Turn(turn, turn.turn_index, head, item_id(), items, store, conversation_id)
-    # `store: false` keeps no session: its answer names none.
-    headers = {SESSION_HEADER: run.turn.session_id} if store else {}
-    if body.stream:
+    run = _Answer(head, item_id(), items, store, conversation_id, body.previous_response_id)
+
+    def replayed(replay: Replay) -> Response:
+        recorded = json.loads(replay.response)
+        headers = {REPLAYED_HEADER: "true", SESSION_HEADER: replay.session_id or ""}
+        if body.stream:
+            return EventStream(replayed_events(recorded), headers=headers)
+        return JSONResponse(recorded, headers=headers)
+
+    def headers(turn: StartedTurn) -> dict[str, str]:
+        return {SESSION_HEADER: turn.session_id} if store else {}  # `store: false` keeps no session
+
+    def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
+        return _finish(manager, tenant, run, turn, reply, guard)
+
+    def events(turn: StartedTurn) -> Iterator[str]:
+        return _events(run, turn, lambda: completed(turn, _reply_of(turn)))
+
+    if body.stream and guard.replay is None:  # cancellable until the turn ends (`ended`)
         in_flight.add(tenant, head, cancel)
-        events = _events(manager, tenant, run, guard, in_flight, body.previous_response_id)
-        return EventStream(events, headers=headers, unstarted=lambda: _abandon(tenant, run, guard, in_flight))
-    try:
-        reply = run.turn.run()
-        final = _finish(manager, tenant, run, reply, body.previous_response_id, guard)
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    finally:
-        run.turn.close()
-    return JSONResponse(final, headers=headers)
+    answer = TurnAnswer(
+        replayed, headers, completed, events if body.stream else None, lambda: in_flight.discard(tenant, head["id"])
+    )
+    return answer_turn(manager, tenant, decided, cancel, guard, answer)
 
 
 def _finish(
-    manager: SessionManager,
-    tenant: Tenant,
-    run: _Turn,
-    reply: Reply,
-    previous_response_id: str | None,
-    guard: IdempotencyGuard,
+    manager: SessionManager, tenant: Tenant, run: _Answer, turn: StartedTurn, reply: Reply, guard: IdempotencyGuard
 ) -> dict[str, Any]:
     """The final response object of a completed turn, stored with its `Idempotency-Key`'s answer
     in one transaction (or, with `store: false`, its session deleted and erased)."""
@@ -305,9 +298,9 @@ def _finish(
         manager.responses.record(
             tenant.id,
             run.head["id"],
-            session_id=run.turn.session_id,
-            turn_index=run.turn_index,
-            previous_response_id=previous_response_id,
+            session_id=turn.session_id,
+            turn_index=turn.turn_index,
+            previous_response_id=run.previous_response_id,
             response=dumps(final),
             input_items=dumps(run.items),
             answers=guard.claim,
@@ -315,53 +308,30 @@ def _finish(
         )
         guard.answered()
     else:
-        manager.delete_session(tenant, run.turn.session_id, erase=True)
+        manager.delete_session(tenant, turn.session_id, erase=True)
     if run.conversation_id is not None:
         added = [*run.items, final["output"][0]]
-        manager.conversations.append(
-            tenant.id, run.conversation_id, added, session_id=run.turn.session_id, capped=False
-        )
+        manager.conversations.append(tenant.id, run.conversation_id, added, session_id=turn.session_id, capped=False)
     return final
 
 
-def _abandon(tenant: Tenant, run: _Turn, guard: IdempotencyGuard, in_flight: InFlight) -> None:
-    """What `_events`' `finally` does, for a stream that ended before its first frame."""
-    try:
-        in_flight.discard(tenant, run.head["id"])
-        guard.release()
-    finally:
-        run.turn.close()
+def _reply_of(turn: StartedTurn) -> Reply:
+    # The response and its key's answer are stored before the closing events: a client gone
+    # while they are sent retries into a replay, never a second turn.
+    if turn.reply is None:
+        raise RuntimeError("bug: a streamed turn ended without a reply")
+    return turn.reply
 
 
-def _events(
-    manager: SessionManager,
-    tenant: Tenant,
-    run: _Turn,
-    guard: IdempotencyGuard,
-    in_flight: InFlight,
-    previous_response_id: str | None,
-) -> Generator[str, None, None]:
-    """The event stream of a response. Closing the generator (the client went away) closes the
-    turn: it is cancelled and nothing is stored."""
+def _events(run: _Answer, turn: StartedTurn, finish: Callable[[], dict[str, Any]]) -> Generator[str, None, None]:
+    """The event stream of a response; an error after it started (cancelled, say) is its last event."""
     frames = EventFrames()
     started = response_object(run.head, status="in_progress")
-
-    def finish() -> dict[str, Any]:
-        # The response and its key's answer are stored before the closing events: a client gone
-        # while they are sent retries into a replay, never a second turn.
-        if run.turn.reply is None:
-            raise RuntimeError("bug: a streamed turn ended without a reply")
-        return _finish(manager, tenant, run, run.turn.reply, previous_response_id, guard)
-
     try:
-        yield from response_events(frames, started, run.message_id, run.turn.pieces(), finish)
-    except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (cancelled, say)
+        yield from response_events(frames, started, run.message_id, turn.pieces(), finish)
+    except (ChatKVError, *DATABASE_ERRORS) as exc:
         if isinstance(exc, TurnCancelled):
             yield error_event(frames, "response_cancelled", "the response was cancelled")
         else:
             error = json.loads(bytes(response_for(exc).body))["error"]
             yield error_event(frames, error["code"], error["message"])
-    finally:
-        in_flight.discard(tenant, run.head["id"])
-        guard.release()
-        run.turn.close()

@@ -13,7 +13,7 @@ from sqlalchemy import event
 
 from app.cli.sessions import _origin_text
 from app.http.server import build_app
-from app.ui.sessions import FORK_MARK, SessionLabels
+from app.ui.sessions import SessionLabels
 from sessions.manager import SessionManager
 
 TOKEN = "door-test-token"
@@ -74,7 +74,7 @@ def test_each_chat_completion_runs_one_prefix_query(client: TestClient, tiny_man
 def test_a_fork_reads_the_same_whichever_face_made_it(client: TestClient, tiny_manager: SessionManager) -> None:
     """A regenerate posted to chat completions, and a branch made through `previous_response_id`,
     are both listed as forks of their session at their turn: the HTTP session, the chat page's
-    picker and the CLI say so alike (as they do for a fork made in the chat page)."""
+    session tree and the CLI say so alike (as they do for a fork made in the chat page)."""
     auth = _auth(tiny_manager)
     model = tiny_manager.model_name
     system, first = {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}
@@ -100,5 +100,5 @@ def test_a_fork_reads_the_same_whichever_face_made_it(client: TestClient, tiny_m
     tenant = tiny_manager.get_tenant("acme")
     infos = {str(info.id): info for info in tiny_manager.list_sessions(tenant)}
     labels = SessionLabels(tiny_manager)
-    for fork in (regenerated, branched):
-        assert labels.label(tenant, infos[fork], infos).startswith(f"{FORK_MARK} fork of “Hello” at turn 2 · ")
+    for fork, its_parent in ((regenerated, parent), (branched, response_parent)):
+        assert labels.fork_line(tenant, infos[fork], infos[its_parent]).startswith("fork at turn 2: ")
