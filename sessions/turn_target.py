@@ -54,7 +54,7 @@ class TurnTarget:
         named = [n for n in (self.session, self.previous_response, self.conversation) if n is not None]
         if len(named) > 1:
             raise InvalidInput("a turn goes to one session, previous response or conversation, not several")
-        object.__setattr__(self, "history", tuple((str(u), str(a)) for u, a in self.history))
+        object.__setattr__(self, "history", tuple(self.history))  # its texts are checked where stored
 
 
 @dataclass(frozen=True)
