@@ -2,7 +2,7 @@
 what the faces (`app/`: CLI, chat page, HTTP API) need beside them. `app/` imports from here only
 (`from sessions import ...`); nothing under `sessions.` is its door.
 
-`SessionManager`, `SessionDetail`, `HistoryTurn` and `Route` (and with them torch and
+`SessionManager`, `SessionDetail`, `PlannedTurn` and `Route` (and with them torch and
 transformers) are imported on first use, so a tool that only needs settings, records, error types
 or the admin operations (the admin CLI, offline or talking to a server) starts fast.
 """
@@ -63,19 +63,20 @@ from sessions.records import FinishReason, Message, Reply, RestoreResult, Restor
 from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
 from sessions.responses import ResponsePoint, ResponseRecords
 from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
-from sessions.turn.parameters import check_turn_parameters
+from sessions.turn_options import TurnOptions
+from sessions.turn_target import TurnPlan, TurnTarget
 from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
 
 if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
-    from sessions.history_lookup import HistoryTurn
     from sessions.manager import SessionManager
     from sessions.replicas.routing import Route
+    from sessions.turn_door import PlannedTurn
 
 _LAZY = {
     "SessionManager": "sessions.manager",
     "SessionDetail": "sessions.catalogue",
-    "HistoryTurn": "sessions.history_lookup",
+    "PlannedTurn": "sessions.turn_door",
     "Route": "sessions.replicas.routing",
 }
 
@@ -110,7 +111,6 @@ __all__ = [
     "EngineStopped",
     "FinishReason",
     "HistoryTooLong",
-    "HistoryTurn",
     "HomeLock",
     "HomeLocked",
     "HomeLockedError",
@@ -124,6 +124,7 @@ __all__ = [
     "Message",
     "ModelNotFound",
     "ModelUnavailable",
+    "PlannedTurn",
     "Replay",
     "ReplicaRetired",
     "Reply",
@@ -148,12 +149,14 @@ __all__ = [
     "TenantId",
     "TenantNotFound",
     "TurnCancelled",
+    "TurnOptions",
+    "TurnPlan",
     "TurnStats",
+    "TurnTarget",
     "UnsupportedModel",
     "admin_token",
     "check_session_name",
     "check_text",
-    "check_turn_parameters",
     "check_unlocked",
     "database_revision",
     "default_home",

@@ -39,7 +39,6 @@ from sessions.device_defaults import default_device_budget_bytes, probe_device, 
 from sessions.engine import Engine
 from sessions.errors import ModelUnavailable, SessionBusy
 from sessions.forks import Forks
-from sessions.history_lookup import HistoryLookup
 from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
 from sessions.model_cache import old_home_copy
@@ -56,6 +55,7 @@ from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
 from sessions.turn.runner import TurnRunner
+from sessions.turn_door import TurnDoor
 from sessions.turn_service import TurnService
 from storage.atomic_files import remove_temp_files
 from storage.blob_stores import DiskBlobStore, HostBlobStore
@@ -97,7 +97,7 @@ class ManagerParts:
     turns: TurnService
     history: HistoryStore
     forks: Forks
-    lookup: HistoryLookup
+    door: TurnDoor
     retention: Retention
     responses: ResponseRecords
     conversations: ConversationRecords
@@ -332,15 +332,22 @@ def _history_parts(
         record = registry.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
         return record.last_active_at if record is not None else None
 
+    records = _response_parts(database, registry, catalogue)
     return {
         "history": history,
         "forks": forks,
-        "lookup": HistoryLookup(
+        "door": TurnDoor(
             history=history,
+            registry=registry,
             tiers=tiers,
-            forks=forks if settings.fork_sessions else None,
-            open_session=lambda t, system, turns: catalogue.open(t, system, None, turns, origin="implicit"),
+            forks=forks,
+            fork_histories=settings.fork_sessions,
+            open_session=catalogue.open,
             delete_session=catalogue.delete,
+            responses=records["responses"],
+            conversations=records["conversations"],
+            replicas=replicas,
+            metrics=metrics,
         ),
         "retention": Retention(
             history=history,
@@ -349,7 +356,7 @@ def _history_parts(
             default_retention_s=settings.implicit_retention_s,
             hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
         ),
-        **_response_parts(database, registry, catalogue),
+        **records,
     }
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from cache.ids import SessionId
 from cache.tiers import LOCAL_TIERS, CacheKey
@@ -43,14 +43,14 @@ from sessions.errors import (
     SessionNotFound,
     TenantNotFound,
 )
-from sessions.history_lookup import HistoryTurn
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.replicas.routing import Route
 from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
-from sessions.sampling import SamplingParams
 from sessions.settings import Settings
-from sessions.turn.stop_strings import StopStrings
+from sessions.turn_door import PlannedTurn
+from sessions.turn_options import TurnOptionKeywords, TurnOptions
+from sessions.turn_target import TurnPlan, TurnTarget
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
 from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import BadMasterKey, KeyRingError
@@ -320,31 +320,14 @@ class SessionManager:
         tenant: TenantRef,
         session_id: str,
         message: str,
+        options: TurnOptions | None = None,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        min_new_tokens: int = 0,
-        ignore_eos: bool = False,
         cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
     ) -> Reply:
-        """Send a user message and return the reply. See `stream_chat` for the errors."""
+        """Send a user message and return the reply. See `stream_chat` for the arguments and errors."""
         reply = None
-        for item in self.stream_chat(
-            tenant,
-            session_id,
-            message,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            min_new_tokens=min_new_tokens,
-            ignore_eos=ignore_eos,
-            cancel=cancel,
-        ):
+        for item in self.stream_chat(tenant, session_id, message, options, cancel=cancel, **keywords):
             if isinstance(item, Reply):
                 reply = item
         if reply is None:
@@ -356,25 +339,22 @@ class SessionManager:
         tenant: TenantRef,
         session_id: str,
         message: str,
+        options: TurnOptions | None = None,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        min_new_tokens: int = 0,
-        ignore_eos: bool = False,
         expected_turns: int | None = None,
         cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
     ) -> Generator[str | Reply, None, None]:
         """Yield reply text pieces as they are generated, then the `Reply`. The pieces joined equal
         `Reply.text`. The turn is stored when the generator finishes; abandoning it stores nothing.
 
         Args:
-            stop: up to 4 strings that end the reply once its text contains one; `Reply.text`
-                ends before it, and the transcript and the cache hold the reply as returned.
-            min_new_tokens: no stop token or stop string ends the reply before it has this many
-                tokens (`SamplingParams`). ignore_eos: no stop token ends it (it runs to
+            options: sampling and stop strings (`TurnOptions`; default greedy, 256 tokens at most).
+            keywords: `TurnOptions` fields replacing those of `options` (`max_new_tokens=64`,
+                `stop=["\n"]`, ...). stop: up to 4 strings that end the reply once its text
+                contains one; `Reply.text` ends before it, and the transcript and the cache hold
+                the reply as returned. min_new_tokens: no stop token or stop string ends the reply
+                before it has this many tokens. ignore_eos: no stop token ends it (it runs to
                 `max_new_tokens` unless a stop string ends it).
             expected_turns: continue only if the session has exactly this many turns (it was found
                 by its history, and another turn may have got there first).
@@ -391,14 +371,11 @@ class SessionManager:
             TurnCancelled: `cancel` was set before the reply was complete.
         """
         self._check_open()
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, min_new_tokens, ignore_eos)
-        stop_strings = StopStrings(stop)
-        check_text(message, "message", MAX_MESSAGE_CHARS)
-        if not message.strip():
-            raise InvalidInput("message must be a non-empty string")
+        options = TurnOptions.of(options, keywords)
+        _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
         return self._parts.turns.stream(
-            tenant_id, session_id, message, params, stop_strings, expected_turns=expected_turns, cancel=cancel
+            tenant_id, session_id, message, options, expected_turns=expected_turns, cancel=cancel
         )
 
     def continue_history(
@@ -407,19 +384,14 @@ class SessionManager:
         system_prompt: str | None,
         history: Sequence[tuple[str, str]],
         message: str,
+        options: TurnOptions | None = None,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        min_new_tokens: int = 0,
-        ignore_eos: bool = False,
         cancel: CancelToken | None = None,
-    ) -> HistoryTurn:
+        **keywords: Unpack[TurnOptionKeywords],
+    ) -> PlannedTurn:
         """A turn for a conversation its client brings along whole (the stateless pattern of
         OpenAI clients): `history` holds the earlier turns as `(user text, reply text as returned:
-        Reply.text)`. The session is chosen when the turn starts (`sessions.history_lookup`):
+        Reply.text)`. The session is chosen when the turn starts (`sessions.turn_door`):
         the tenant's session whose whole history this is (continue), a fork of one holding it
         and more (regenerate, edit, retry: warm from its KV), or a new session holding it. Iterate
         the result for the pieces, then the `Reply`; its `session_id` and `action` are set by the
@@ -427,23 +399,59 @@ class SessionManager:
 
         Raises (at the first item): as `stream_chat`, and `HistoryTooLong`.
         """
+        target = TurnTarget(system_prompt, history)
+        return self.run_turn(tenant, target, message, options, cancel=cancel, **keywords)
+
+    def plan_turn(self, tenant: TenantRef, target: TurnTarget, *, forwarded: bool = False) -> TurnPlan:
+        """Where a turn to `target` runs: the session it continues, forks or makes, and the route
+        among replicas (`sessions.turn_door`; one prefix lookup for a posted history). Run it
+        with `run_turn`; a plan is for one request (a session may move on meanwhile: the plan's
+        later steps take the turn then).
+
+        Args:
+            forwarded: the request came from another replica (its hop marker): never forward it.
+
+        Raises:
+            ResponseNotFound, ConversationNotFound: the target names none of the tenant's (a
+                session that is not the tenant's is `run_turn`'s `SessionNotFound`).
+            InvalidInput: a posted system prompt or history that is not the named session's.
+        """
         self._check_open()
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, min_new_tokens, ignore_eos)
-        stop_strings = StopStrings(stop)
-        check_text(message, "message", MAX_MESSAGE_CHARS)
-        if not message.strip():
-            raise InvalidInput("message must be a non-empty string")
+        return self._parts.door.plan(self._parts.registry.tenant_id(tenant), target, forwarded=forwarded)
+
+    def run_turn(
+        self,
+        tenant: TenantRef,
+        plan: TurnPlan | TurnTarget,
+        message: str,
+        options: TurnOptions | None = None,
+        *,
+        cancel: CancelToken | None = None,
+        **keywords: Unpack[TurnOptionKeywords],
+    ) -> PlannedTurn:
+        """The turn of `plan` (a `TurnTarget`: planned when the turn starts). Iterate the result
+        for the pieces, then the `Reply`; its `session_id`, `action`, `parent_id` and
+        `turn_index` are set by the first item. A session made for the turn goes again unless
+        the turn completes. See `stream_chat` for the other arguments.
+
+        Raises: `InvalidInput` for the message or options; at the first item, as `stream_chat`
+        and `plan_turn`, and `HistoryTooLong` for a new session's history.
+        """
+        self._check_open()
+        options = TurnOptions.of(options, keywords)
+        _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
-        turns = self._parts.turns
+        turns, door = self._parts.turns, self._parts.door
 
         def start(session_id: SessionId, expected_turns: int | None) -> Generator[str | Reply, None, None]:
             if cancel is not None:
                 cancel.check()
-            return turns.stream(
-                tenant_id, session_id, message, params, stop_strings, expected_turns=expected_turns, cancel=cancel
-            )
+            return turns.stream(tenant_id, session_id, message, options, expected_turns=expected_turns, cancel=cancel)
 
-        return self._parts.lookup.turn(tenant_id, system_prompt, history, start)
+        if isinstance(plan, TurnTarget):
+            target = plan
+            return door.run(tenant_id, lambda: door.plan(tenant_id, target, routed=False), start)
+        return door.run(tenant_id, plan, start)
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -473,9 +481,10 @@ class SessionManager:
     # -- replicas ------------------------------------------------------------------------------
 
     def route_turn(self, tenant: TenantRef, session_id: str | None, *, forwarded: bool = False) -> Route:
-        """Where a turn of the tenant's session (an id or a name; `None` or an unknown one: a new
-        session) runs among replicas: here, forwarded to the owner, or here once the owner hands
-        it over (`sessions.replicas.routing`); always here for a single process.
+        """Where a fork or prefetch of the tenant's session (an id or a name; `None` or an unknown
+        one: a new session) runs among replicas (a turn's route is `plan_turn`'s): here, forwarded
+        to the owner, or here once the owner hands it over (`sessions.replicas.routing`); always
+        here for a single process.
 
         Args:
             forwarded: the request came from another replica (its hop marker): never forward it.
@@ -488,24 +497,8 @@ class SessionManager:
                 key = CacheKey.for_session(tenant_id, SessionId(registry.session_record(tenant_id, session_id).id))
         return self._routed(key, forwarded)
 
-    def route_history(
-        self,
-        tenant: TenantRef,
-        system_prompt: str | None,
-        history: Sequence[tuple[str, str]],
-        *,
-        forwarded: bool = False,
-    ) -> Route:
-        """`route_turn` for `continue_history`: the route of the session the posted history would
-        continue, or of the parent it would fork (`Route.session_id`; `None`: a new session)."""
-        tenant_id = self._parts.registry.tenant_id(tenant)
-        found = self._parts.lookup.session_for(tenant_id, system_prompt, history)
-        return self._routed(CacheKey.for_session(tenant_id, found) if found is not None else None, forwarded)
-
     def _routed(self, key: CacheKey | None, forwarded: bool) -> Route:
-        route = self._parts.replicas.route(key, forwarded=forwarded)
-        self._parts.metrics.routes.labels(route.kind).inc()
-        return route
+        return self._parts.door.route(key, forwarded)
 
     def forward_failed(self, route: Route, error: str) -> Route:
         """A forward that never reached `route.url` (`error`: why, one line): the turn runs here
@@ -581,6 +574,12 @@ class SessionManager:
             "model_fingerprint": self._parts.engine.fingerprint,
             "context_budget_tokens": self._parts.context_budget_tokens,
         }
+
+
+def _check_message(message: str) -> None:
+    check_text(message, "message", MAX_MESSAGE_CHARS)
+    if not message.strip():
+        raise InvalidInput("message must be a non-empty string")
 
 
 def _assemble(settings: Settings, engine: Engine | None) -> ManagerParts:

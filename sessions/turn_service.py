@@ -27,13 +27,12 @@ from sessions.metrics import Metrics
 from sessions.records import Reply, TurnStats
 from sessions.registry import Registry
 from sessions.replicas.role import Replicas
-from sessions.sampling import SamplingParams
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import PastTurn
 from sessions.turn.completion import TurnOutcome
 from sessions.turn.runner import TurnRunner
-from sessions.turn.stop_strings import StopStrings
 from sessions.turn.transcript import Transcript
+from sessions.turn_options import TurnOptions
 from storage.errors import SessionGone
 from storage.metadata_store import MetadataStore
 from storage.replica_store import OwnershipLost, OwnerToken
@@ -86,8 +85,7 @@ class TurnService:
         tenant_id: TenantId,
         session_id: str,
         message: str,
-        params: SamplingParams,
-        stop: StopStrings,
+        options: TurnOptions,
         *,
         expected_turns: int | None = None,
         cancel: CancelToken | None = None,
@@ -106,7 +104,7 @@ class TurnService:
                 transcript = self._transcripts.get(tenant_id, sid, record)
                 if expected_turns is not None and len(transcript.turns) != expected_turns:
                     raise SessionBusy(f"session {sid} moved on: it has {len(transcript.turns)} turns")
-                outcome = yield from self._run(tenant_id, sid, transcript, message, params, stop, lease, cancel)
+                outcome = yield from self._run(tenant_id, sid, transcript, message, options, lease, cancel)
                 self._store(tenant_id, sid, transcript, message, outcome, owner)
                 if self._reuse_kv:
                     if outcome.cache is not None:
@@ -123,8 +121,7 @@ class TurnService:
         session_id: SessionId,
         transcript: Transcript,
         message: str,
-        params: SamplingParams,
-        stop: StopStrings,
+        options: TurnOptions,
         lease: Lease,
         cancel: CancelToken | None,
     ) -> Generator[str, None, TurnOutcome]:
@@ -135,9 +132,9 @@ class TurnService:
             session_id=session_id,
             transcript=transcript,
             user_text=message,
-            params=params,
+            params=options.sampling,
             lease=lease,
-            stop=stop,
+            stop=options.stop_strings,
             cancel=cancel,
         ):
             if isinstance(item, TurnOutcome):

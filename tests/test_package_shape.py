@@ -1,6 +1,6 @@
 """The shape of the packages (docs/architecture.md, "Packages and dependencies"), checked on the
 source: which package may import which, no import circles (type-only ones included), no module
-too long to read, and a public API that does not load torch."""
+too long to read, a public API that does not load torch, and one door for a turn's session."""
 
 from __future__ import annotations
 
@@ -86,6 +86,26 @@ def test_no_module_imports_itself_back_through_others() -> None:
 def test_no_module_is_longer_than_a_reader_keeps_in_mind() -> None:
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}
+
+
+SESSION_DECIDING = {"open_session", "fork", "continue_history", "stream_chat", "chat", "route_turn"}
+"""`SessionManager` methods that choose, make or run on a session outright."""
+EXPLICIT_SESSION_FACES = {"app.http.session_api", "app.ui.handlers", "app.ui.turns", "app.cli.chat"}
+"""Clients of explicit sessions: they open and fork sessions on their user's request, by id."""
+
+
+def test_only_the_explicit_session_faces_choose_a_turns_session() -> None:
+    """Where a turn runs is decided once, in `sessions` (`SessionManager.plan_turn`, issue 30):
+    every other face builds a `TurnTarget` and runs the plan, and never opens, forks or picks a
+    session to decide a turn."""
+    wrong = [
+        f"{name} calls .{node.func.attr}()"
+        for name, path in MODULES.items()
+        if name.startswith("app") and name not in EXPLICIT_SESSION_FACES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SESSION_DECIDING
+    ]
+    assert wrong == []
 
 
 def test_the_public_api_imports_no_torch() -> None:

@@ -132,9 +132,10 @@ def _render_inspect(detail: Json) -> None:
 
 
 def _origin_text(session: Json) -> str:
-    """`fork of s_... after its first 2 turns`, `implicit (made for a posted history)`, ..."""
+    """`fork of s_... after its first 2 turns` (a fork, whichever face made it: a regenerate
+    posted to chat completions too), `implicit (made for a posted history)`, ..."""
     origin: str = session["origin"]
-    if origin == "fork":
+    if session["parent_id"] is not None:
         return f"fork of {session['parent_id']} after its first {count(session['fork_turns'] or 0, 'turn')}"
     return ORIGINS.get(origin, origin)
 
@@ -194,7 +195,7 @@ def _render_transcript(transcript: Json) -> None:
     typer.echo(f"session {s['id']} (tenant {s['tenant']}), {turns}, cache {s['tier'] or 'not stored'}")
     if s["title"]:
         typer.echo(f"title: {shown(s['title'])}")
-    if s["origin"] == "fork":
+    if s["parent_id"] is not None:
         typer.echo(_origin_text(s))
     blocks: list[tuple[str, str | None, str]] = []
     if transcript["system_prompt"]:

@@ -1,19 +1,8 @@
-"""A turn asked for over the `/v1/` API: its parameters checked before anything is stored, the
-session it runs on (named, or found by the posted history), and its first reply piece awaited
-before the HTTP answer starts, so that every refusal (busy session, context too long) is still an
-HTTP status rather than an error inside a stream.
-
-Sessions found by history (stateless clients, which post the whole conversation each time):
-
-    posted     system S, user u1, assistant a1, ..., user u(n)
-    lookup     the tenant's sessions whose history digest is that of (S, u1, a1, ..., u(n-1), a(n-1))
-               (assistant texts as they were returned), most recently active first
-    continue   the first one that is idle and still has exactly n-1 turns
-    otherwise  a new session holding the posted history (its first turn re-prefills it)
-
-An edited history has another digest, so it never continues a cache computed for another history.
-A new session whose first turn does not complete (refused, failed, or its client went away) is
-deleted again: a request that fails leaves nothing stored.
+"""A turn asked for over the `/v1/` API: its request read and planned once (`Decided`: the
+`TurnPlan` of the `TurnTarget` the face built, with its route among replicas), then run here or
+forwarded (`app.http.forwarding`), its first reply piece awaited before the HTTP answer starts, so
+that every refusal (busy session, context too long) is still an HTTP status rather than an error
+inside a stream. Which session a turn runs on is `sessions.turn_door`'s to decide.
 
 A turn's route is an `async def` that runs the blocking turn in the threadpool and meanwhile
 listens for its client's disconnect (`run_watching_disconnect`): a client that goes away while the
@@ -25,35 +14,35 @@ client's retry of a completed turn gets that answer instead of a second turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from app.http.api_errors import ApiError
+from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for
+from app.http.sse import EventStream
 from sessions import (
     MAX_MESSAGE_CHARS,
-    SESSION_ID_PREFIX,
     CancelToken,
     ChatKVError,
     Claimed,
-    HistoryTurn,
     InProgress,
     InvalidInput,
     KeyReused,
+    PlannedTurn,
     Replay,
     Reply,
-    SessionExists,
+    Route,
     SessionManager,
-    SessionNotFound,
     Tenant,
+    TurnOptions,
+    TurnPlan,
     check_text,
-    check_turn_parameters,
 )
 
 TurnStream = Generator[str | Reply, None, None]
@@ -156,52 +145,6 @@ class IdempotencyGuard:
             self._manager.idempotency.release(claim)
 
 
-@dataclass(frozen=True)
-class TurnParams:
-    """Sampling and stop parameters of one turn, checked at construction.
-
-    Raises:
-        InvalidInput: for a value `SessionManager.stream_chat` would refuse.
-    """
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    min_new_tokens: int = 0
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        check_turn_parameters(
-            self.max_new_tokens,
-            self.temperature,
-            self.top_p,
-            self.seed,
-            self.stop,
-            min_new_tokens=self.min_new_tokens,
-            ignore_eos=self.ignore_eos,
-        )
-
-    def keywords(self) -> dict[str, Any]:
-        """These parameters as the keywords of `SessionManager.stream_chat` and `continue_history`."""
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "min_new_tokens": self.min_new_tokens,
-            "ignore_eos": self.ignore_eos,
-        }
-
-    def stream(
-        self, manager: SessionManager, tenant: Tenant, session_id: str, message: str, **extra: Any
-    ) -> TurnStream:
-        """`SessionManager.stream_chat` with these parameters (`extra`: its other keywords)."""
-        return manager.stream_chat(tenant, session_id, message, **self.keywords(), **extra)
-
-
 MAX_OPENAI_TEMPERATURE = 2.0
 """OpenAI's upper bound of `temperature` (its lower bound, 0, is chatkv's own)."""
 MAX_OPENAI_STOP_STRINGS = 4
@@ -216,7 +159,7 @@ def check_openai_ranges(
     stop_strings: int = 0,
 ) -> None:
     """OpenAI's limits on a turn's parameters, refused with the field's OpenAI name in `param`
-    before `TurnParams` checks them under chatkv's own names (`max_new_tokens`, ...).
+    before `TurnOptions` checks them under chatkv's own names (`max_new_tokens`, ...).
 
     Raises:
         ApiError: 400 `invalid_request` naming the field: `temperature` outside [0, 2], a
@@ -247,20 +190,44 @@ def check_message(text: object, what: str = "message") -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Posted:
+    """Posted messages as chatkv takes them: a system prompt, earlier turns (user text, reply text
+    as it was returned) and the new user message."""
+
+    system_prompt: str | None
+    history: list[tuple[str, str]]
+    message: str
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A turn request read and planned before anything runs (`Forwarder.run_turn`'s `decide`):
+    the plan (with its route), the posted messages, the options."""
+
+    plan: TurnPlan
+    posted: Posted
+    options: TurnOptions
+
+    @property
+    def route(self) -> Route:
+        return self.plan.route
+
+
 @dataclass
 class StartedTurn:
     """A turn whose first item (a text piece, or the `Reply` of an empty reply) has arrived."""
 
-    manager: SessionManager
-    tenant: Tenant
     session_id: str
     first: str | Reply
-    rest: TurnStream | HistoryTurn
-    created: bool = False
-    """The session was made for this turn (deleted again unless the turn completes)."""
-    erase: bool = False
-    """Deleting that session also erases the freed database pages (`store: false`)."""
+    rest: PlannedTurn
     reply: Reply | None = field(default=None, init=False)
+
+    @property
+    def turn_index(self) -> int:
+        if self.rest.turn_index is None:
+            raise RuntimeError("bug: a turn's index is known only for a planned history")
+        return self.rest.turn_index
 
     def items(self) -> Iterator[str | Reply]:
         """The first item, then the rest; the last is the `Reply` (the turn is then stored)."""
@@ -284,12 +251,9 @@ class StartedTurn:
         return self.reply
 
     def close(self) -> None:
-        """End the turn: an unfinished one is cancelled (nothing stored), and a session made for it
-        is deleted unless its turn was stored."""
+        """End the turn: an unfinished one is cancelled (nothing stored, and a session made for
+        it deleted)."""
         self.rest.close()
-        if self.created and self.reply is None:
-            with contextlib.suppress(ChatKVError):
-                self.manager.delete_session(self.tenant, self.session_id, erase=self.erase)
 
 
 def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Reply]:
@@ -297,100 +261,93 @@ def _chain(first: str | Reply, rest: Iterator[str | Reply]) -> Iterator[str | Re
     yield from rest
 
 
-def start_turn(
-    manager: SessionManager,
-    tenant: Tenant,
-    session_id: str,
-    message: str,
-    params: TurnParams,
-    *,
-    created: bool = False,
-    erase: bool = False,
-    expected_turns: int | None = None,
-    cancel: CancelToken | None = None,
-) -> StartedTurn:
-    """Run the turn up to its first item. `erase`: a `created` session deleted again is erased
-    from the database files too (`SessionManager.delete_session(erase=True)`).
+def start_turn(manager: SessionManager, tenant: Tenant, decided: Decided, cancel: CancelToken) -> StartedTurn:
+    """Run the planned turn up to its first item (`SessionManager.run_turn`).
 
     Raises:
-        ChatKVError: the turn was refused (nothing stored; a `created` session is deleted), or
-            `TurnCancelled` by `cancel`.
+        ChatKVError: the turn was refused (nothing stored), or `TurnCancelled` by `cancel`.
     """
-    stream = params.stream(manager, tenant, session_id, message, expected_turns=expected_turns, cancel=cancel)
-    try:
-        first = next(stream)
-    except ChatKVError:
-        if created:
-            with contextlib.suppress(ChatKVError):
-                manager.delete_session(tenant, session_id, erase=erase)
-        raise
-    return StartedTurn(manager, tenant, session_id, first, stream, created=created, erase=erase)
-
-
-def continue_history(
-    manager: SessionManager,
-    tenant: Tenant,
-    system_prompt: str | None,
-    history: Sequence[tuple[str, str]],
-    message: str,
-    params: TurnParams,
-    cancel: CancelToken | None = None,
-) -> StartedTurn:
-    """The turn of a posted history (`SessionManager.continue_history`: continue, fork or a new
-    session), run to its first item. A session made for it goes again unless the turn completes.
-
-    Raises:
-        ChatKVError: the turn was refused (nothing stored).
-    """
-    turn = manager.continue_history(tenant, system_prompt, history, message, **params.keywords(), cancel=cancel)
+    turn = manager.run_turn(tenant, decided.plan, decided.posted.message, decided.options, cancel=cancel)
     first = turn.start()
     if turn.session_id is None:
-        raise RuntimeError("bug: a started history turn has no session")
-    return StartedTurn(manager, tenant, turn.session_id, first, turn)
+        raise RuntimeError("bug: a started turn has no session")
+    return StartedTurn(turn.session_id, first, turn)
 
 
-def named_turn(
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class TurnAnswer:
+    """How one turn-creating route answers; `answer_turn` does the rest, alike for every route.
+
+    Attributes:
+        replayed: the answer recorded under the request's `Idempotency-Key` (a retry's).
+        headers: the headers of a started turn's answer.
+        completed: the JSON answer of a completed turn, recorded under the key as it is made.
+        frames: a started turn's event stream, which records its answer before the closing
+            frames; `None`: the answer comes whole.
+        ended: runs once the turn has ended, however it ended.
+    """
+
+    replayed: Callable[[Replay], Response]
+    headers: Callable[[StartedTurn], dict[str, str]]
+    completed: Callable[[StartedTurn, Reply], Any]
+    frames: Callable[[StartedTurn], Iterator[str]] | None = None
+    ended: Callable[[], None] = _nothing
+
+
+def answer_turn(
     manager: SessionManager,
     tenant: Tenant,
-    session_id: str,
-    system_prompt: str | None,
-    history: Sequence[tuple[str, str]],
-    message: str,
-    params: TurnParams,
-    cancel: CancelToken | None = None,
-) -> StartedTurn:
-    """The turn of a session the client names (`X-Session-ID`, `session_id`), run to its first item.
-
-    A name the tenant has not used starts a session under it, holding the posted history
-    (`SessionManager.open_session(name=...)`; deleted again unless this turn completes). A session
-    that exists takes the new message alone (with its own system message, if any), or the whole
-    conversation when the posted history is exactly its own (stateless clients that name their
-    sessions).
-
-    Raises:
-        SessionNotFound: for an unknown id of chatkv's own form (`s_...`), another tenant's too.
-        InvalidInput: for a new name outside the documented form, or a history that is not the
-            session's.
-    """
+    decided: Decided,
+    cancel: CancelToken,
+    guard: IdempotencyGuard,
+    answer: TurnAnswer,
+) -> Response:
+    """A turn-creating route's turn, one way for all: a retry's recorded answer (`guard.replay`),
+    else the turn run to its first item (refusals are HTTP statuses), then streamed or run to its
+    end. However the turn ends short of its recorded answer (refused, failed, cancelled, its
+    client gone, a stream never started), the key's claim is released (a retry runs afresh) and
+    the turn closed (nothing stored)."""
+    if guard.replay is not None:
+        return answer.replayed(guard.replay)
     try:
-        info = manager.session_info(tenant, session_id)
-    except SessionNotFound:
-        if session_id.startswith(SESSION_ID_PREFIX):
-            raise
-        try:
-            created = manager.open_session(tenant, system_prompt, history=history, name=session_id)
-        except SessionExists:  # another request named it first: go on with that one
-            return named_turn(manager, tenant, session_id, system_prompt, history, message, params, cancel)
-        return start_turn(manager, tenant, created, message, params, created=True, cancel=cancel)
-    if system_prompt is not None and system_prompt != info.system_prompt:
-        raise InvalidInput("the system message differs from the session's system prompt")
-    if history and info.id not in manager.find_sessions_by_history(tenant, system_prompt, history):
-        raise InvalidInput(
-            "the posted history is not this session's: send only the new user message, or its whole history "
-            "as it was returned"
-        )
-    expected = len(history) if history else None
-    return start_turn(manager, tenant, info.id, message, params, expected_turns=expected, cancel=cancel)
+        turn = start_turn(manager, tenant, decided, cancel)
+    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
+        _end(guard, None, answer.ended)
+        raise
+    if answer.frames is not None:
+        frames = _guarded(answer.frames(turn), guard, turn, answer.ended)
+        return EventStream(frames, headers=answer.headers(turn), unstarted=lambda: _end(guard, turn, answer.ended))
+    try:
+        body = answer.completed(turn, turn.run())
+    finally:
+        _end(guard, turn, answer.ended)
+    return JSONResponse(body, headers=answer.headers(turn))
+
+
+def _guarded(
+    frames: Iterator[str], guard: IdempotencyGuard, turn: StartedTurn, ended: Callable[[], None]
+) -> Generator[str, None, None]:
+    """`frames`, an error after the answer started as its last frame; closing it (the client went
+    away) closes the turn: it is cancelled and nothing is stored."""
+    try:
+        yield from frames
+    except (ChatKVError, *DATABASE_ERRORS) as exc:  # the session deleted meanwhile, the database gone
+        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
+    finally:
+        _end(guard, turn, ended)
+
+
+def _end(guard: IdempotencyGuard, turn: StartedTurn | None, ended: Callable[[], None]) -> None:
+    try:
+        ended()
+        guard.release()
+    finally:
+        if turn is not None:
+            turn.close()
 
 
 class PromptTokensDetails(BaseModel):

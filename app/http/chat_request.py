@@ -7,7 +7,7 @@ extensions; any other field is refused with 400 `unrecognized_request_argument` 
 
 - **honoured**: `model`, `messages`, `max_tokens`, `max_completion_tokens`, `temperature`,
   `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `n` (1), and the extensions
-  `session_id`, `min_tokens` and `ignore_eos` (`SamplingParams`);
+  `session_id`, `min_tokens` and `ignore_eos` (`TurnOptions`);
 - **accepted, no effect on the reply**: labels and hints that change nothing chatkv computes
   (`user`, `safety_identifier`, `metadata`, `store` true, `prompt_cache_*`, `service_tier`,
   `parallel_tool_calls`, `prediction`, `modalities` `["text"]`, `stream_options.include_obfuscation`);
@@ -26,7 +26,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import unsupported
-from app.http.api_turns import SESSION_HEADER, TurnParams, check_openai_ranges
+from app.http.api_turns import SESSION_HEADER, check_openai_ranges
+from sessions import TurnOptions
 
 DEFAULT_MAX_TOKENS = 256
 NO_EFFECT = "Accepted; no effect on the reply."
@@ -179,7 +180,7 @@ def refuse_unsupported(body: ChatCompletionRequest) -> None:
             raise unsupported(what, name)
 
 
-def turn_params(body: ChatCompletionRequest) -> TurnParams:
+def turn_options(body: ChatCompletionRequest) -> TurnOptions:
     """The turn's parameters, with OpenAI's defaults. Raises `InvalidInput` for bad values."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -190,7 +191,7 @@ def turn_params(body: ChatCompletionRequest) -> TurnParams:
         min_tokens=body.min_tokens,
         stop_strings=len(stop),
     )
-    return TurnParams(
+    return TurnOptions(
         max_new_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

@@ -1,6 +1,6 @@
 """Forwarding a turn to the replica that owns its session, its answer streamed back (docs/replicas.md,
-"Routing"). Where a turn runs is decided before it starts, by `SessionManager.route_turn` or
-`route_history` (`sessions.replicas.routing`); this module carries out a `forward` route:
+"Routing"). Where a turn runs is decided before it starts, by `SessionManager.plan_turn` (a fork
+or prefetch: `route_turn`; `sessions.replicas.routing`); this module carries out a `forward` route:
 
     client --POST--> this replica --the same body; Authorization, Idempotency-Key, X-Session-ID,
                                     Content-Type, Accept; X-ChatKV-Forwarded-By: <this id>--> owner
@@ -36,7 +36,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.http.api_errors import error_body, error_response
-from app.http.api_turns import run_watching_disconnect
+from app.http.api_turns import Decided, run_watching_disconnect
 from app.http.sse import event
 from sessions import CancelToken, Route, SessionManager
 
@@ -85,7 +85,7 @@ class Forwarder:
 
     async def answer(self, request: Request, body: bytes, decide: Callable[[bool], Route]) -> Response | None:
         """Route the request: `decide(forwarded)` (blocking: run in the threadpool) is
-        `SessionManager.route_turn` or `route_history` for it. Returns the answer of the replica
+        `SessionManager.route_turn` for it. Returns the answer of the replica
         it was forwarded to, or `None` to run it here (a local route, a hand-over, or a forward
         that never reached its replica: then a hand-over too).
 
@@ -101,22 +101,25 @@ class Forwarder:
     async def run_turn(
         self,
         request: Request,
-        decide: Callable[[bool], Route],
-        run: Callable[[bytes, CancelToken], Response],
+        decide: Callable[[bool], Decided],
+        run: Callable[[bytes, CancelToken, Decided], Response],
     ) -> Response:
-        """A turn-creating route's answer: the owner's when `decide` forwards it (`answer`), else
-        `run(body, cancel)` here in the threadpool, `cancel` set if the client goes away first
-        (`run_watching_disconnect`: the turn stops and stores nothing).
+        """A turn-creating route's answer: `decide(forwarded)` reads and plans the request once
+        (blocking: in the threadpool); the owner's answer when its route forwards it, else
+        `run(body, cancel, decided)` here in the threadpool, `cancel` set if the client goes away
+        first (`run_watching_disconnect`: the turn stops and stores nothing).
 
         Raises:
             ChatKVError, ApiError: what `decide` or `run` raises (answered as the route's errors).
         """
         raw = await request.body()
-        forwarded = await self.answer(request, raw, decide)
-        if forwarded is not None:  # the session's owner answered
-            return forwarded
+        decided = await run_in_threadpool(decide, is_forwarded(request))
+        if decided.route.kind == "forward":
+            forwarded = await self.forward(request, raw, decided.route)
+            if forwarded is not None:  # the session's owner answered
+                return forwarded
         cancel = CancelToken()
-        return await run_watching_disconnect(request, cancel, lambda: run(raw, cancel))
+        return await run_watching_disconnect(request, cancel, lambda: run(raw, cancel, decided))
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:

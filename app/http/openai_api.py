@@ -1,7 +1,7 @@
 """The OpenAI-compatible face: `POST /v1/chat/completions` and `GET /v1/models`.
 
 Stock OpenAI clients work unchanged (`base_url=<server>/v1`, `api_key=<tenant API key>`). A
-request continues a server-side session, found one of two ways (`app.http.api_turns`):
+request continues a server-side session, found one of two ways (`sessions.turn_door`):
 
 - **explicit**: `X-Session-ID: <id>` (or a `session_id` field): `messages` holds only the new user
   message, after an optional system message that must be the session's;
@@ -21,7 +21,7 @@ accepted without effect on the reply (`user`, `metadata`, ...), or refused with 
 content parts other than text, logprobs, a `response_format` other than text, penalties,
 `logit_bias`, ...). A field chatkv does not know is refused with 400
 `unrecognized_request_argument` naming it, never ignored. vLLM's extensions `min_tokens` and
-`ignore_eos` are honoured (`SamplingParams`), chatkv's `session_id` names the session. Defaults
+`ignore_eos` are honoured (`TurnOptions`), chatkv's `session_id` names the session. Defaults
 follow OpenAI: `temperature` 1, `top_p` 1; `max_tokens` defaults to 256.
 
 Limits: at most 2,048 `messages` (OpenAI's; 400 `array_above_max_length`), and a posted history of
@@ -36,7 +36,6 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -45,36 +44,38 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from app.http.api_auth import bearer_scheme, tenant_of
-from app.http.api_errors import DATABASE_ERRORS, ApiError, response_for, unsupported
+from app.http.api_errors import ApiError, unsupported
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     SESSION_HEADER,
+    Decided,
     IdempotencyGuard,
+    Posted,
     StartedTurn,
+    TurnAnswer,
     Usage,
+    answer_turn,
     check_message,
-    continue_history,
-    named_turn,
     usage,
 )
 from app.http.chat_request import (
     ChatCompletionRequest,
     ChatMessage,
     refuse_unsupported,
-    turn_params,
+    turn_options,
 )
 from app.http.forwarding import Forwarder
 from app.http.sse import DONE, EventStream, event
 from sessions import (
     MAX_MESSAGE_CHARS,
     CancelToken,
-    ChatKVError,
     InvalidInput,
+    Replay,
     Reply,
-    Route,
     SessionManager,
     Tenant,
+    TurnTarget,
     check_text,
 )
 
@@ -117,16 +118,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """Posted messages as chatkv takes them: a system prompt, earlier turns (user text, reply text
-    as it was returned) and the new user message."""
-
-    system_prompt: str | None
-    history: list[tuple[str, str]]
-    message: str
 
 
 def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
@@ -190,25 +181,27 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarde
         A client that disconnects before the answer is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: _route(manager, body, tenant, x_session_id, forwarded=hop),
-            lambda raw, cancel: _complete(manager, body, raw, tenant, x_session_id, idempotency_key, cancel),
+            lambda hop: _decide(manager, body, tenant, x_session_id, forwarded=hop),
+            lambda raw, cancel, decided: _complete(
+                manager, body, raw, tenant, x_session_id, idempotency_key, cancel, decided
+            ),
         )
 
     return router
 
 
-def _route(
+def _decide(
     manager: SessionManager, body: ChatCompletionRequest, tenant: Tenant, x_session_id: str | None, *, forwarded: bool
-) -> Route:
-    """Where the turn runs among replicas: its named session's route, or that of the session its
-    posted history continues or forks (`SessionManager.route_turn`, `route_history`)."""
+) -> Decided:
+    """Check and read the request (refused here, before a forward) and plan its turn: on its named
+    session, or on the session its posted history continues or forks (`sessions.turn_door`)."""
     _check_model(manager, body.model)
-    refuse_unsupported(body)  # before a forward: refused here, not on the session's owner
-    conversation = parse_messages(body.messages)
-    session_id = _session_id(x_session_id, body.session_id)
-    if session_id is not None:
-        return manager.route_turn(tenant, session_id, forwarded=forwarded)
-    return manager.route_history(tenant, conversation.system_prompt, conversation.history, forwarded=forwarded)
+    refuse_unsupported(body)
+    options = turn_options(body)
+    posted = parse_messages(body.messages)
+    session = _session_id(x_session_id, body.session_id)
+    target = TurnTarget(posted.system_prompt, posted.history, session=session, create=True)
+    return Decided(manager.plan_turn(tenant, target, forwarded=forwarded), posted, options)
 
 
 def _complete(
@@ -219,67 +212,44 @@ def _complete(
     x_session_id: str | None,
     idempotency_key: str | None,
     cancel: CancelToken,
+    decided: Decided,
 ) -> Response:
-    """The blocking part of `POST /chat/completions` (run in the threadpool): check, claim the
+    """The blocking part of `POST /chat/completions` (run in the threadpool): claim the
     idempotency key, run the turn to its first piece (streamed) or to its end."""
-    _check_model(manager, body.model)
-    refuse_unsupported(body)
-    params = turn_params(body)
-    conversation = parse_messages(body.messages)
-    session_id = _session_id(x_session_id, body.session_id)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     guard = IdempotencyGuard(
         manager, tenant, idempotency_key, "/v1/chat/completions", raw, target={SESSION_HEADER: x_session_id}
     )
-    if guard.replay is not None:
-        completion = ChatCompletion.model_validate_json(guard.replay.response)
-        headers = {SESSION_HEADER: guard.replay.session_id or "", REPLAYED_HEADER: "true"}
+    reply_id = f"chatcmpl-{secrets.token_hex(12)}"
+    # A client that named the session gets its own name back.
+    session = decided.plan.target.session
+    head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
+
+    def replayed(replay: Replay) -> Response:
+        completion = ChatCompletion.model_validate_json(replay.response)
+        headers = {SESSION_HEADER: replay.session_id or "", REPLAYED_HEADER: "true"}
         if body.stream:
             return EventStream(_replayed_chunks(completion, include_usage), headers=headers)
         return JSONResponse(completion.model_dump(), headers=headers)
-    try:
-        if session_id is None:
-            turn = continue_history(
-                manager,
-                tenant,
-                conversation.system_prompt,
-                conversation.history,
-                conversation.message,
-                params,
-                cancel,
-            )
-        else:
-            turn = named_turn(
-                manager,
-                tenant,
-                session_id,
-                conversation.system_prompt,
-                conversation.history,
-                conversation.message,
-                params,
-                cancel,
-            )
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    reply_id = f"chatcmpl-{secrets.token_hex(12)}"
-    # A client that named the session gets its own name back.
-    headers = {SESSION_HEADER: session_id if session_id is not None else turn.session_id}
-    if body.stream:
-        head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
-        return EventStream(
-            _chunks(turn, head, include_usage, guard), headers=headers, unstarted=lambda: _abandon(guard, turn)
-        )
-    try:
-        reply = turn.run()
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    finally:
-        turn.close()
-    completion = _completion(reply_id, manager.model_name, reply)
-    guard.complete(turn.session_id, completion)
-    return JSONResponse(completion.model_dump(), headers=headers)
+
+    def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
+        completion = _completion(reply_id, manager.model_name, reply)
+        guard.complete(turn.session_id, completion)
+        return completion.model_dump()
+
+    return answer_turn(
+        manager,
+        tenant,
+        decided,
+        cancel,
+        guard,
+        TurnAnswer(
+            replayed,
+            lambda turn: {SESSION_HEADER: session if session is not None else turn.session_id},
+            completed,
+            (lambda turn: _chunks(turn, head, include_usage, guard)) if body.stream else None,
+        ),
+    )
 
 
 def _check_model(manager: SessionManager, model: str) -> None:
@@ -292,7 +262,7 @@ def _check_model(manager: SessionManager, model: str) -> None:
         )
 
 
-def parse_messages(messages: list[ChatMessage]) -> Conversation:
+def parse_messages(messages: list[ChatMessage]) -> Posted:
     """Split posted messages into system prompt, earlier turns and the new message.
 
     Raises:
@@ -328,7 +298,7 @@ def parse_messages(messages: list[ChatMessage]) -> Conversation:
         )
     history = [(rest[i][1], rest[i + 1][1]) for i in range(0, len(rest) - 1, 2)]
     new_message = check_message(rest[-1][1], f"messages[{len(texts) - 1}].content")
-    return Conversation(system_prompt, history, new_message)
+    return Posted(system_prompt, history, new_message)
 
 
 def _text(message: ChatMessage, where: str) -> str:
@@ -377,36 +347,19 @@ def _chunk_frames(head: dict[str, Any], include_usage: bool) -> Callable[..., st
 def _chunks(
     turn: StartedTurn, head: dict[str, Any], include_usage: bool, guard: IdempotencyGuard
 ) -> Generator[str, None, None]:
-    """The SSE frames of a streamed completion. Closing the generator (the client went away) closes
-    the turn: it is cancelled and nothing is stored. A completed turn's answer is recorded under
-    its `Idempotency-Key` (as the `chat.completion` a retry is answered with)."""
+    """The SSE frames of a streamed completion. A completed turn's answer is recorded under its
+    `Idempotency-Key` (as the `chat.completion` a retry is answered with)."""
     chunk = _chunk_frames(head, include_usage)
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        for piece in turn.pieces():
-            yield chunk({"content": piece})
-        if turn.reply is None:
-            raise RuntimeError("bug: a streamed turn ended without a reply")
-        guard.complete(turn.session_id, _completion(head["id"], head["model"], turn.reply))
-        yield chunk({}, turn.reply.finish_reason)
-        if include_usage:
-            yield event(
-                {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(turn.reply).model_dump()}
-            )
-        yield DONE
-    except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (the session deleted meanwhile, say)
-        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
-    finally:
-        guard.release()
-        turn.close()
-
-
-def _abandon(guard: IdempotencyGuard, turn: StartedTurn) -> None:
-    """What a stream's `finally` does, for a stream that ended before its first frame."""
-    try:
-        guard.release()
-    finally:
-        turn.close()
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in turn.pieces():
+        yield chunk({"content": piece})
+    if turn.reply is None:
+        raise RuntimeError("bug: a streamed turn ended without a reply")
+    guard.complete(turn.session_id, _completion(head["id"], head["model"], turn.reply))
+    yield chunk({}, turn.reply.finish_reason)
+    if include_usage:
+        yield event({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(turn.reply).model_dump()})
+    yield DONE
 
 
 def _replayed_chunks(completion: ChatCompletion, include_usage: bool) -> Generator[str, None, None]:

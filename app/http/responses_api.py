@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -46,13 +46,13 @@ from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     SESSION_HEADER,
+    Decided,
     IdempotencyGuard,
     StartedTurn,
-    TurnParams,
-    start_turn,
+    TurnAnswer,
+    answer_turn,
 )
 from app.http.forwarding import Forwarder
-from app.http.openai_api import Conversation
 from app.http.responses_items import (
     ResponseRequest,
     as_input_items,
@@ -68,7 +68,7 @@ from app.http.responses_items import (
     response_head,
     response_object,
     stored_items,
-    turn_params,
+    turn_options,
 )
 from app.http.responses_stream import EventFrames, error_event, replayed_events, response_events
 from app.http.sse import EventStream
@@ -76,28 +76,25 @@ from sessions import (
     CancelToken,
     ChatKVError,
     InvalidInput,
+    Replay,
     Reply,
-    ResponsePoint,
-    Route,
-    SessionBusy,
     SessionManager,
-    SessionNotFound,
     Tenant,
     TurnCancelled,
+    TurnTarget,
 )
 
 
-@dataclass
-class _Turn:
-    """A response's turn started on its session: turn `turn_index`, and what its answer needs."""
+@dataclass(frozen=True)
+class _Answer:
+    """What a response's answer needs beside its turn."""
 
-    turn: StartedTurn
-    turn_index: int
     head: dict[str, Any]
     message_id: str
     items: list[dict[str, Any]]
     store: bool
-    conversation_id: str | None = None
+    conversation_id: str | None
+    previous_response_id: str | None
 
 
 class InFlight:
@@ -157,8 +154,10 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
         that disconnects before the answer is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: _route(manager, body, tenant, forwarded=hop),
-            lambda raw, cancel: _create(manager, body, raw, tenant, idempotency_key, cancel, in_flight),
+            lambda hop: _decide(manager, body, tenant, forwarded=hop),
+            lambda raw, cancel, decided: _create(
+                manager, body, raw, tenant, idempotency_key, cancel, in_flight, decided
+            ),
         )
 
     @router.get("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
@@ -198,16 +197,49 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
     return router
 
 
-def _route(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Route:
-    """Where the turn runs among replicas: that of the previous response's session, or of the
-    conversation's, if any."""
-    session_id = None
+def _decide(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Decided:
+    """Check and read the request (refused here, before a forward or anything stored) and plan its
+    turn (`sessions.turn_door`): after the previous response, in the conversation, or a new
+    session holding the input's earlier turns."""
+    if body.model != manager.model_name:
+        raise ApiError(
+            404,
+            f"the model `{body.model}` does not exist; this server serves `{manager.model_name}`",
+            "model_not_found",
+            param="model",
+        )
+    refuse_unsupported(body)
+    check_metadata(body.metadata)
+    options = turn_options(body)
+    store = body.store is not False
     conversation_id = body.conversation_id()
-    if body.previous_response_id is not None:
-        session_id = manager.responses.point(tenant.id, body.previous_response_id).session_id
-    elif conversation_id is not None:
-        session_id = manager.conversations.get(tenant.id, conversation_id).session_id
-    return manager.route_turn(tenant, session_id, forwarded=forwarded)
+    if conversation_id is not None and body.previous_response_id is not None:
+        raise ApiError(
+            400, "conversation and previous_response_id cannot both be given", "invalid_request", param="conversation"
+        )
+    if conversation_id is not None and not store:
+        raise unsupported("`store: false` with a conversation is", "store")
+    if conversation_id is not None:
+        record = manager.conversations.get(tenant.id, conversation_id)
+        manager.conversations.check_room(record, [*stored_items(input_as_items(body)), output_message(item_id(), "")])
+        posted = parse_input(body, as_input_items(manager.conversations.items(tenant.id, conversation_id)))
+    else:
+        posted = parse_input(body)
+    if body.previous_response_id is not None and (
+        posted.history or posted.system_prompt not in (None, body.instructions)
+    ):
+        raise InvalidInput(
+            "with previous_response_id, input holds only the new user message (a string or one user item)"
+        )
+    system_prompt = body.instructions if body.previous_response_id is not None else posted.system_prompt
+    target = TurnTarget(
+        system_prompt,
+        posted.history,
+        previous_response=body.previous_response_id,
+        conversation=conversation_id,
+        store=store,
+    )
+    return Decided(manager.plan_turn(tenant, target, forwarded=forwarded), posted, options)
 
 
 def _create(
@@ -218,160 +250,44 @@ def _create(
     idempotency_key: str | None,
     cancel: CancelToken,
     in_flight: InFlight,
+    decided: Decided,
 ) -> Response:
-    """The blocking part of `POST /responses` (run in the threadpool): check, claim the
-    idempotency key, start the turn; stream it, or run it to its end and store it."""
-    if body.model != manager.model_name:
-        raise ApiError(
-            404,
-            f"the model `{body.model}` does not exist; this server serves `{manager.model_name}`",
-            "model_not_found",
-            param="model",
-        )
-    refuse_unsupported(body)
-    metadata = check_metadata(body.metadata)
-    params = turn_params(body)
-    store = body.store is not False
-    conversation_id = body.conversation_id()
-    if conversation_id is not None and body.previous_response_id is not None:
-        raise ApiError(
-            400, "conversation and previous_response_id cannot both be given", "invalid_request", param="conversation"
-        )
-    if conversation_id is not None and not store:
-        raise unsupported("`store: false` with a conversation is", "store")
-    conversation = parse_input(body)  # checked before anything is stored or run
+    """The blocking part of `POST /responses` (run in the threadpool): claim the idempotency key,
+    start the turn; stream it, or run it to its end and store it."""
+    store = decided.plan.target.store
     # `store: false` keeps nothing, not even the answer under an idempotency key.
     guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
-    if guard.replay is not None:
-        recorded = json.loads(guard.replay.response)
-        headers = {REPLAYED_HEADER: "true", SESSION_HEADER: guard.replay.session_id or ""}
+    head = response_head(manager.responses.new_id(), manager.model_name, body, body.metadata or {})
+    conversation_id = body.conversation_id()
+    items = stored_items(input_as_items(body)) if conversation_id is not None else input_items(decided.posted)
+    run = _Answer(head, item_id(), items, store, conversation_id, body.previous_response_id)
+
+    def replayed(replay: Replay) -> Response:
+        recorded = json.loads(replay.response)
+        headers = {REPLAYED_HEADER: "true", SESSION_HEADER: replay.session_id or ""}
         if body.stream:
             return EventStream(replayed_events(recorded), headers=headers)
         return JSONResponse(recorded, headers=headers)
-    response_id = manager.responses.new_id()
-    head = response_head(response_id, manager.model_name, body, metadata)
-    try:
-        if conversation_id is not None:
-            run = _start_in_conversation(manager, tenant, body, conversation_id, params, cancel, head)
-        else:
-            started = _start(manager, tenant, body, conversation, params, cancel, store)
-            run = _Turn(started[0], started[1], head, item_id(), input_items(conversation), store)
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    # `store: false` keeps no session: its answer names none.
-    headers = {SESSION_HEADER: run.turn.session_id} if store else {}
-    if body.stream:
+
+    def headers(turn: StartedTurn) -> dict[str, str]:
+        return {SESSION_HEADER: turn.session_id} if store else {}  # `store: false` keeps no session
+
+    def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
+        return _finish(manager, tenant, run, turn, reply, guard)
+
+    def events(turn: StartedTurn) -> Iterator[str]:
+        return _events(run, turn, lambda: completed(turn, _reply_of(turn)))
+
+    if body.stream and guard.replay is None:  # cancellable until the turn ends (`ended`)
         in_flight.add(tenant, head, cancel)
-        events = _events(manager, tenant, run, guard, in_flight, body.previous_response_id)
-        return EventStream(events, headers=headers, unstarted=lambda: _abandon(tenant, run, guard, in_flight))
-    try:
-        reply = run.turn.run()
-        final = _finish(manager, tenant, run, reply, body.previous_response_id, guard)
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    finally:
-        run.turn.close()
-    return JSONResponse(final, headers=headers)
-
-
-def _start(
-    manager: SessionManager,
-    tenant: Tenant,
-    body: ResponseRequest,
-    conversation: Conversation,
-    params: TurnParams,
-    cancel: CancelToken,
-    store: bool,
-) -> tuple[StartedTurn, int]:
-    """The turn of the response on its session (see the module docstring), run to its first item;
-    returns it and its turn index."""
-    message = conversation.message
-    if body.previous_response_id is None:
-        session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-        turn = start_turn(manager, tenant, session_id, message, params, created=True, erase=not store, cancel=cancel)
-        return turn, len(conversation.history)
-    if conversation.history or conversation.system_prompt not in (None, body.instructions):
-        raise InvalidInput(
-            "with previous_response_id, input holds only the new user message (a string or one user item)"
-        )
-    point = manager.responses.point(tenant.id, body.previous_response_id)
-    turns = point.turn_index + 1
-    if (
-        body.instructions is not None
-        and body.instructions != manager.session_info(tenant, point.session_id).system_prompt
-    ):
-        earlier = _turns(manager, tenant, point)
-        session_id = manager.open_session(tenant, body.instructions, history=earlier)
-        return start_turn(
-            manager, tenant, session_id, message, params, created=True, erase=not store, cancel=cancel
-        ), turns
-    if point.latest and store:
-        try:
-            return (
-                start_turn(manager, tenant, point.session_id, message, params, expected_turns=turns, cancel=cancel),
-                turns,
-            )
-        except SessionBusy:  # a turn in flight on it, or it moved on meanwhile: branch instead
-            pass
-    fork = manager.fork(tenant, point.session_id, turns)
-    return start_turn(manager, tenant, fork, message, params, created=True, erase=not store, cancel=cancel), turns
-
-
-def _start_in_conversation(
-    manager: SessionManager,
-    tenant: Tenant,
-    body: ResponseRequest,
-    conversation_id: str,
-    params: TurnParams,
-    cancel: CancelToken,
-    head: dict[str, Any],
-) -> _Turn:
-    """The response's turn after its conversation's items: on the conversation's session while
-    that holds exactly those items, else on a new session holding them (`sessions.conversations`)."""
-    record = manager.conversations.get(tenant.id, conversation_id)
-    new_items = stored_items(input_as_items(body))
-    manager.conversations.check_room(record, [*new_items, output_message(item_id(), "")])
-    conversation = parse_input(body, as_input_items(manager.conversations.items(tenant.id, conversation_id)))
-    if record.session_id is not None and _holds(manager, tenant, record.session_id, conversation):
-        turns = len(conversation.history)
-        try:
-            turn = start_turn(
-                manager, tenant, record.session_id, conversation.message, params, expected_turns=turns, cancel=cancel
-            )
-            return _Turn(turn, turns, head, item_id(), new_items, True, conversation_id)
-        except SessionBusy:  # moved on meanwhile: a new session holding the items instead
-            pass
-    session_id = manager.open_session(tenant, conversation.system_prompt, history=conversation.history)
-    turn = start_turn(manager, tenant, session_id, conversation.message, params, created=True, cancel=cancel)
-    return _Turn(turn, len(conversation.history), head, item_id(), new_items, True, conversation_id)
-
-
-def _holds(manager: SessionManager, tenant: Tenant, session_id: str, conversation: Conversation) -> bool:
-    """Whether the session holds exactly the conversation's system prompt and earlier turns."""
-    try:
-        info = manager.session_info(tenant, session_id)
-        messages = manager.history(tenant, session_id)
-    except SessionNotFound:
-        return False
-    held = [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
-    return info.system_prompt == conversation.system_prompt and held == list(conversation.history)
-
-
-def _turns(manager: SessionManager, tenant: Tenant, point: ResponsePoint) -> list[tuple[str, str]]:
-    """The session's turns through the response's, as (user text, reply text)."""
-    messages = manager.history(tenant, point.session_id)[: 2 * (point.turn_index + 1)]
-    return [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
+    answer = TurnAnswer(
+        replayed, headers, completed, events if body.stream else None, lambda: in_flight.discard(tenant, head["id"])
+    )
+    return answer_turn(manager, tenant, decided, cancel, guard, answer)
 
 
 def _finish(
-    manager: SessionManager,
-    tenant: Tenant,
-    run: _Turn,
-    reply: Reply,
-    previous_response_id: str | None,
-    guard: IdempotencyGuard,
+    manager: SessionManager, tenant: Tenant, run: _Answer, turn: StartedTurn, reply: Reply, guard: IdempotencyGuard
 ) -> dict[str, Any]:
     """The final response object of a completed turn, stored with its `Idempotency-Key`'s answer
     in one transaction (or, with `store: false`, its session deleted and erased)."""
@@ -382,9 +298,9 @@ def _finish(
         manager.responses.record(
             tenant.id,
             run.head["id"],
-            session_id=run.turn.session_id,
-            turn_index=run.turn_index,
-            previous_response_id=previous_response_id,
+            session_id=turn.session_id,
+            turn_index=turn.turn_index,
+            previous_response_id=run.previous_response_id,
             response=dumps(final),
             input_items=dumps(run.items),
             answers=guard.claim,
@@ -392,53 +308,30 @@ def _finish(
         )
         guard.answered()
     else:
-        manager.delete_session(tenant, run.turn.session_id, erase=True)
+        manager.delete_session(tenant, turn.session_id, erase=True)
     if run.conversation_id is not None:
         added = [*run.items, final["output"][0]]
-        manager.conversations.append(
-            tenant.id, run.conversation_id, added, session_id=run.turn.session_id, capped=False
-        )
+        manager.conversations.append(tenant.id, run.conversation_id, added, session_id=turn.session_id, capped=False)
     return final
 
 
-def _abandon(tenant: Tenant, run: _Turn, guard: IdempotencyGuard, in_flight: InFlight) -> None:
-    """What `_events`' `finally` does, for a stream that ended before its first frame."""
-    try:
-        in_flight.discard(tenant, run.head["id"])
-        guard.release()
-    finally:
-        run.turn.close()
+def _reply_of(turn: StartedTurn) -> Reply:
+    # The response and its key's answer are stored before the closing events: a client gone
+    # while they are sent retries into a replay, never a second turn.
+    if turn.reply is None:
+        raise RuntimeError("bug: a streamed turn ended without a reply")
+    return turn.reply
 
 
-def _events(
-    manager: SessionManager,
-    tenant: Tenant,
-    run: _Turn,
-    guard: IdempotencyGuard,
-    in_flight: InFlight,
-    previous_response_id: str | None,
-) -> Generator[str, None, None]:
-    """The event stream of a response. Closing the generator (the client went away) closes the
-    turn: it is cancelled and nothing is stored."""
+def _events(run: _Answer, turn: StartedTurn, finish: Callable[[], dict[str, Any]]) -> Generator[str, None, None]:
+    """The event stream of a response; an error after it started (cancelled, say) is its last event."""
     frames = EventFrames()
     started = response_object(run.head, status="in_progress")
-
-    def finish() -> dict[str, Any]:
-        # The response and its key's answer are stored before the closing events: a client gone
-        # while they are sent retries into a replay, never a second turn.
-        if run.turn.reply is None:
-            raise RuntimeError("bug: a streamed turn ended without a reply")
-        return _finish(manager, tenant, run, run.turn.reply, previous_response_id, guard)
-
     try:
-        yield from response_events(frames, started, run.message_id, run.turn.pieces(), finish)
-    except (ChatKVError, *DATABASE_ERRORS) as exc:  # after the answer started (cancelled, say)
+        yield from response_events(frames, started, run.message_id, turn.pieces(), finish)
+    except (ChatKVError, *DATABASE_ERRORS) as exc:
         if isinstance(exc, TurnCancelled):
             yield error_event(frames, "response_cancelled", "the response was cancelled")
         else:
             error = json.loads(bytes(response_for(exc).body))["error"]
             yield error_event(frames, error["code"], error["message"])
-    finally:
-        in_flight.discard(tenant, run.head["id"])
-        guard.release()
-        run.turn.close()

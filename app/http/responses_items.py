@@ -25,10 +25,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_errors import ApiError, unsupported
-from app.http.api_turns import TurnParams, check_message, check_openai_ranges
+from app.http.api_turns import Posted, check_message, check_openai_ranges
 from app.http.chat_request import DEFAULT_MAX_TOKENS, ChatMessage
-from app.http.openai_api import Conversation, parse_messages
-from sessions import MAX_MESSAGE_CHARS, InvalidInput, Reply, check_text
+from app.http.openai_api import parse_messages
+from sessions import MAX_MESSAGE_CHARS, InvalidInput, Reply, TurnOptions, check_text
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -165,21 +165,20 @@ def check_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return metadata
 
 
-def turn_params(body: ResponseRequest) -> TurnParams:
+def turn_options(body: ResponseRequest) -> TurnOptions:
     """The turn's parameters, with OpenAI's defaults. Raises `ApiError` or `InvalidInput` for bad values."""
     check_openai_ranges(
         temperature=body.temperature, max_tokens=body.max_output_tokens, max_tokens_name="max_output_tokens"
     )
-    return TurnParams(
+    return TurnOptions(
         max_new_tokens=DEFAULT_MAX_TOKENS if body.max_output_tokens is None else body.max_output_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
-        stop=(),
     )
 
 
-def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Conversation:
+def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Posted:
     """The request's input, after the `earlier` items of its conversation, as a turn: system
     prompt (`instructions`, then leading system items), earlier turns, the new user message.
 
@@ -190,7 +189,7 @@ def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Con
     if body.instructions is not None:
         check_text(body.instructions, "instructions", MAX_MESSAGE_CHARS)
     if isinstance(body.input, str) and not earlier:
-        return Conversation(body.instructions, [], check_message(body.input, "input"))
+        return Posted(body.instructions, [], check_message(body.input, "input"))
     items = input_as_items(body)
     if not items:
         raise InvalidInput("input must hold at least one message")
@@ -265,7 +264,7 @@ def item_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-def input_items(conversation: Conversation) -> list[dict[str, Any]]:
+def input_items(conversation: Posted) -> list[dict[str, Any]]:
     """The input items as `input_items.list` returns them (`ResponseInputMessageItem` for user
     messages, `ResponseOutputMessage` for assistant ones); the system prompt is not an item."""
     items = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Generator, Iterator
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -31,17 +31,18 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.http.api_auth import bearer_scheme, tenant_of
-from app.http.api_errors import DATABASE_ERRORS, response_for
 from app.http.api_turns import (
     IDEMPOTENCY_HEADER,
     REPLAYED_HEADER,
     SESSION_HEADER,
+    Decided,
     IdempotencyGuard,
+    Posted,
     StartedTurn,
-    TurnParams,
+    TurnAnswer,
     Usage,
+    answer_turn,
     check_message,
-    start_turn,
     usage,
 )
 from app.http.forwarding import Forwarder
@@ -51,13 +52,15 @@ from app.http.sse import DONE, EventStream, event
 from sessions import (
     SESSION_NAME_RULE,
     CancelToken,
-    ChatKVError,
     Message,
+    Replay,
     Reply,
     RestoreSource,
     SessionInfo,
     SessionManager,
     Tenant,
+    TurnOptions,
+    TurnTarget,
 )
 
 log = logging.getLogger(__name__)
@@ -260,8 +263,10 @@ def session_router(
         client that disconnects before the reply is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: manager.route_turn(tenant, session_id, forwarded=hop),
-            lambda raw, cancel: _send(manager, session_id, body, raw, tenant, idempotency_key, cancel),
+            lambda hop: _decide(manager, session_id, body, tenant, forwarded=hop),
+            lambda raw, cancel, decided: _send(
+                manager, session_id, body, raw, tenant, idempotency_key, cancel, decided
+            ),
         )
 
     @router.post(
@@ -284,18 +289,12 @@ def session_router(
     return router
 
 
-def _send(
-    manager: SessionManager,
-    session_id: str,
-    body: MessageCreate,
-    raw: bytes,
-    tenant: Tenant,
-    idempotency_key: str | None,
-    cancel: CancelToken,
-) -> Response:
-    """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
+def _decide(
+    manager: SessionManager, session_id: str, body: MessageCreate, tenant: Tenant, *, forwarded: bool
+) -> Decided:
+    """Check the request and plan its turn on the session (`SessionManager.plan_turn`)."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    params = TurnParams(
+    options = TurnOptions(
         body.max_tokens,
         body.temperature,
         body.top_p,
@@ -304,57 +303,48 @@ def _send(
         min_new_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
     )
-    message = check_message(body.content, "content")
+    posted = Posted(None, [], check_message(body.content, "content"))
+    return Decided(manager.plan_turn(tenant, TurnTarget(session=session_id), forwarded=forwarded), posted, options)
+
+
+def _send(
+    manager: SessionManager,
+    session_id: str,
+    body: MessageCreate,
+    raw: bytes,
+    tenant: Tenant,
+    idempotency_key: str | None,
+    cancel: CancelToken,
+    decided: Decided,
+) -> Response:
+    """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
     guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
-    if guard.replay is not None:
-        recorded = MessageReply.model_validate_json(guard.replay.response)
+
+    def replayed(replay: Replay) -> Response:
+        recorded = MessageReply.model_validate_json(replay.response)
         headers = {SESSION_HEADER: recorded.session_id, REPLAYED_HEADER: "true"}
         if body.stream:
             return EventStream(_replayed_events(recorded), headers=headers)
         return JSONResponse(recorded.model_dump(), headers=headers)
-    try:
-        turn = start_turn(manager, tenant, session_id, message, params, cancel=cancel)
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    headers = {SESSION_HEADER: turn.session_id}
-    if body.stream:
-        return EventStream(_events(turn, guard), headers=headers, unstarted=lambda: _abandon(guard, turn))
-    try:
-        reply = turn.run()
-    except BaseException:  # whatever ends the turn (a cancel included) frees its key, then goes on up
-        guard.release()
-        raise
-    finally:
-        turn.close()
-    answer = _reply(turn.session_id, reply)
-    guard.complete(turn.session_id, answer)
-    return JSONResponse(answer.model_dump(), headers=headers)
 
+    def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
+        answer = _reply(turn.session_id, reply)
+        guard.complete(turn.session_id, answer)
+        return answer.model_dump()
 
-def _events(turn: StartedTurn, guard: IdempotencyGuard) -> Generator[str, None, None]:
-    try:
+    def events(turn: StartedTurn) -> Iterator[str]:
         for piece in turn.pieces():
             yield event({"object": "session.message.delta", "session_id": turn.session_id, "content": piece})
         if turn.reply is None:
             raise RuntimeError("bug: a streamed turn ended without a reply")
-        answer = _reply(turn.session_id, turn.reply)
-        guard.complete(turn.session_id, answer)
-        yield event(answer.model_dump())
+        yield event(completed(turn, turn.reply))
         yield DONE
-    except (ChatKVError, *DATABASE_ERRORS) as exc:
-        yield f"data: {bytes(response_for(exc).body).decode()}\n\n"
-    finally:
-        guard.release()
-        turn.close()
 
+    def headers(turn: StartedTurn) -> dict[str, str]:
+        return {SESSION_HEADER: turn.session_id}
 
-def _abandon(guard: IdempotencyGuard, turn: StartedTurn) -> None:
-    """What `_events`' `finally` does, for a stream that ended before its first frame."""
-    try:
-        guard.release()
-    finally:
-        turn.close()
+    answer = TurnAnswer(replayed, headers, completed, events if body.stream else None)
+    return answer_turn(manager, tenant, decided, cancel, guard, answer)
 
 
 def _replayed_events(recorded: MessageReply) -> Generator[str, None, None]:

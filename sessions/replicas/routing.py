@@ -35,7 +35,7 @@ RouteKind = Literal["local", "forward", "handover"]
 
 @dataclass(frozen=True)
 class Route:
-    """Where a turn runs (`SessionManager.route_turn`, `route_history`).
+    """Where a turn runs (`SessionManager.plan_turn`'s `TurnPlan.route`; `route_turn`).
 
     Attributes:
         kind: `local` (here), `forward` (send the request to `url`), or `handover` (here, once the

@@ -10,10 +10,11 @@ import pytest
 
 from sessions.engine import Engine
 from sessions.errors import InvalidInput, SessionNotFound
-from sessions.history_lookup import HistoryTurn
 from sessions.manager import SessionManager
 from sessions.records import Reply
 from sessions.replicas.routing import Route
+from sessions.turn_door import PlannedTurn
+from sessions.turn_target import TurnTarget
 from tests.sessions.offload_helpers import key_of, one_torch_thread, open_manager, reference_reply
 
 SYSTEM = "You are terse."
@@ -87,7 +88,7 @@ def stateless_conversation(manager: SessionManager, tenant: str, turns: int) -> 
     return sid
 
 
-def post(manager: SessionManager, tenant: str, turns: list[tuple[str, str]], message: str) -> tuple[Reply, HistoryTurn]:
+def post(manager: SessionManager, tenant: str, turns: list[tuple[str, str]], message: str) -> tuple[Reply, PlannedTurn]:
     turn = manager.continue_history(tenant, SYSTEM, turns, message, max_new_tokens=TOKENS)
     items = list(turn)
     assert isinstance(items[-1], Reply)
@@ -104,9 +105,13 @@ def test_a_posted_history_continues_forks_or_starts_anew(tiny_manager: SessionMa
     history = returned(manager, tenant, parent)
 
     # Chosen ahead (replicas forward the request to that session's owner); a single process runs it here.
-    assert manager.route_history(tenant, SYSTEM, history) == Route("local", parent)
-    assert manager.route_history(tenant, SYSTEM, history[:2]) == Route("local", parent)  # the parent to fork
-    assert manager.route_history(tenant, SYSTEM, [("Unrelated?", "Yes.")]) == Route("local", None)
+    def plan(turns: list[tuple[str, str]]) -> tuple[str, Route]:
+        planned = manager.plan_turn(tenant, TurnTarget(SYSTEM, turns))
+        return planned.action, planned.route
+
+    assert plan(history) == ("continue", Route("local", parent))
+    assert plan(history[:2]) == ("fork", Route("local", parent))  # the parent to fork
+    assert plan([("Unrelated?", "Yes.")]) == ("new", Route("local", None))
     _, turn = post(manager, tenant, history, MESSAGES[3])  # continue
     assert (turn.session_id, turn.action) == (parent, "continue")
     regenerate, turn = post(manager, tenant, history[:2], MESSAGES[2])  # regenerate the third reply
@@ -147,7 +152,7 @@ def test_identical_posts_at_once_all_complete_exactly(tmp_path: Path, tiny_engin
         history = returned(manager, tenant, parent)
         manager.flush()
         manager.evict_session(tenant, parent, "disk")  # the forks' seeds are slow to read: a wider race
-        results: list[tuple[Reply, HistoryTurn]] = []
+        results: list[tuple[Reply, PlannedTurn]] = []
         errors: list[BaseException] = []
 
         def post_one() -> None:

@@ -19,6 +19,7 @@ from sessions.errors import (
     TenantNotFound,
 )
 from sessions.manager import SessionManager
+from sessions.turn_options import TurnOptions
 from tests.conftest import make_settings
 
 
@@ -410,6 +411,27 @@ def test_sampling_parameters_of_the_wrong_type_are_invalid_input(tiny_manager: S
     with pytest.raises(InvalidInput):
         tiny_manager.chat(tenant, sid, "hi", **kwargs)
     assert tiny_manager.history(tenant, sid) == []
+
+
+def test_an_options_value_and_keyword_arguments_run_the_same_turn(tiny_manager: SessionManager) -> None:
+    tenant = tiny_manager.create_tenant("acme")
+    options = TurnOptions(max_new_tokens=6, temperature=1.0, seed=3, stop=["zz"])
+    assert options.stop == ("zz",) and options.sampling.max_new_tokens == 6
+    by_value = tiny_manager.chat(tenant, tiny_manager.open_session(tenant), "hi", options)
+    by_keywords = tiny_manager.chat(
+        tenant, tiny_manager.open_session(tenant), "hi", max_new_tokens=6, temperature=1.0, seed=3, stop=["zz"]
+    )
+    assert by_value.token_ids == by_keywords.token_ids
+    # Keywords replace the value's fields: the same seed greedy, four tokens.
+    greedy = tiny_manager.chat(tenant, tiny_manager.open_session(tenant), "hi", max_new_tokens=4)
+    overridden = tiny_manager.chat(
+        tenant, tiny_manager.open_session(tenant), "hi", options, temperature=0.0, max_new_tokens=4
+    )
+    assert overridden.token_ids == greedy.token_ids
+    with pytest.raises(InvalidInput):
+        TurnOptions(stop=[""])
+    with pytest.raises(TypeError):
+        tiny_manager.chat(tenant, tiny_manager.open_session(tenant), "hi", max_tokens=4)  # type: ignore[call-arg]
 
 
 def test_a_tiny_positive_temperature_samples_without_overflow(tiny_manager: SessionManager) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from app.http.api_turns import TurnParams, continue_history
 from sessions.engine import Engine, Request
 from sessions.errors import InvalidInput
 from sessions.manager import SessionManager
@@ -15,6 +14,7 @@ from sessions.records import Reply
 from sessions.sampling import SamplingParams
 from sessions.turn.chat_template import PastTurn
 from sessions.turn.stop_strings import StopScanner, StopStrings
+from sessions.turn_options import TurnOptions
 from tests.sessions.test_exact_reuse import expected_new_turn_tokens, greedy_from_scratch
 
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_new_tokens": 40}
@@ -238,8 +238,9 @@ def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_cl
     manager = real_manager
     tenant = manager.create_tenant("acme")
     tokenizer = manager.engine.tokenizer
-    first = continue_history(manager, tenant, SYSTEM, [], FRUITS, TurnParams(40, 0.0, 1.0, None, (stop,)))
-    cut = first.run()
+    first = manager.continue_history(tenant, SYSTEM, [], FRUITS, TurnOptions(40, 0.0, 1.0, None, (stop,)))
+    cut = [*first][-1]
+    assert isinstance(cut, Reply) and first.session_id is not None
     assert cut.finish_reason == "stop" and stop not in cut.text and cut.text.startswith("1. Bana")
     cut_ids = tuple(tokenizer.encode(cut.text, add_special_tokens=False))
     assert (cut.token_ids[: len(cut_ids)] == cut_ids) is at_token_boundary
@@ -247,9 +248,9 @@ def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_cl
     posted = [(FRUITS, cut.text)]
     if found_by == "history":
         # The stateless client posts the history it saw: the session is found and continued.
-        started = continue_history(manager, tenant, SYSTEM, posted, SWEETEST, TurnParams(30, 0.0, 1.0, None, ()))
-        assert (started.session_id, started.created) == (first.session_id, False)
-        follow = started.run()
+        started = manager.continue_history(tenant, SYSTEM, posted, SWEETEST, TurnOptions(30, 0.0, 1.0, None, ()))
+        follow = [*started][-1]
+        assert isinstance(follow, Reply) and (started.session_id, started.action) == (first.session_id, "continue")
     else:
         follow = manager.chat(tenant, first.session_id, SWEETEST, max_new_tokens=30)
     fresh_id = manager.open_session(tenant, SYSTEM, history=posted)

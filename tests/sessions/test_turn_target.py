@@ -1,0 +1,36 @@
+"""The door's values without a model: a target names one place at most, and a plan says what its
+first step does."""
+
+from __future__ import annotations
+
+import pytest
+
+from sessions.errors import InvalidInput
+from sessions.replicas.routing import Route
+from sessions.turn_target import Continue, Fork, New, TurnPlan, TurnTarget
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        {"session": "s_1", "previous_response": "resp_1"},
+        {"session": "s_1", "conversation": "conv_1"},
+        {"previous_response": "resp_1", "conversation": "conv_1"},
+    ],
+)
+def test_a_target_naming_two_places_is_invalid_input(names: dict[str, str]) -> None:
+    with pytest.raises(InvalidInput, match="not several"):
+        TurnTarget(**names)  # type: ignore[arg-type]
+
+
+def test_a_plan_says_what_its_first_step_does() -> None:
+    target = TurnTarget("S", [("u1", "a1")])
+    assert target.history == (("u1", "a1"),)
+    steps = (
+        ((Continue("s_a", 1), Fork("s_b", 1, "implicit")), ("continue", "s_a", 1)),
+        ((Fork("s_b", 1, "implicit"),), ("fork", "s_b", None)),
+        ((New("S", (("u1", "a1"),), "implicit"),), ("new", None, None)),
+    )
+    for planned, expected in steps:
+        plan = TurnPlan(target, planned, Route("local", expected[1]))
+        assert (plan.action, plan.session_id, plan.expected_turns) == expected
