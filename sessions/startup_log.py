@@ -85,11 +85,13 @@ def budgets(tiers: TierConfig, derived: frozenset[str]) -> None:
 
 def window(config: WindowConfig, budget_tokens: int, context_tokens: int, scheduler: SchedulerConfig) -> None:
     log.info(
-        "context window %d of the model's %d tokens (policy %s); engine loop: %d tokens per step, %d running requests",
+        "context window %d of the model's %d tokens (policy %s); engine loop: %d tokens per step (%d of them "
+        "prefill), %d running requests",
         budget_tokens,
         context_tokens,
         config.window_policy,
         scheduler.max_step_tokens,
+        scheduler.max_prefill_tokens,
         scheduler.max_running_requests,
     )
     log.debug("engine loop limits: %s", scheduler)

@@ -11,6 +11,10 @@ class SchedulerConfig:
 
     Attributes:
         max_step_tokens: tokens fed per forward pass (decodes plus prefill chunks).
+        max_prefill_tokens: prefill tokens per forward pass (of all prefilling requests together,
+            split max-min fairly over their tenants; 0: no such limit, `max_step_tokens` only). On
+            a CPU a step costs about its token count, so this bounds how long a long prefill holds
+            every other turn back, an arriving one included; raise it on a GPU.
         max_running_requests: requests holding a working KV buffer at once.
         max_running_per_tenant: running requests one tenant may have (0: `max_running_requests`).
         max_batch_requests: requests per step (0: every running request). 1 turns batching off:
@@ -21,6 +25,7 @@ class SchedulerConfig:
     """
 
     max_step_tokens: int = 256
+    max_prefill_tokens: int = 32
     max_running_requests: int = 32
     max_running_per_tenant: int = 0
     max_batch_requests: int = 0
@@ -28,6 +33,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name, minimum in (
             ("max_step_tokens", 1),
+            ("max_prefill_tokens", 0),
             ("max_running_requests", 1),
             ("max_running_per_tenant", 0),
             ("max_batch_requests", 0),

@@ -2,9 +2,17 @@
 
 Scheduling model (after vLLM v1's scheduler): no prefill or decode phase; every running request
 has pending ids (the rest of its prefill, or its last sampled token). A step takes one pending id
-of every request that is decoding, then chunks of pending prefills, up to `max_step_tokens`: a long
-prefill is split over several steps (chunked prefill), so it never holds the running decodes back
-for more than one step.
+of every request that is decoding, then chunks of pending prefills (chunked prefill, Sarathi-Serve:
+Agrawal et al., OSDI 2024), up to `max_step_tokens`; the prefill ids of a step are also capped by
+`max_prefill_tokens` and split max-min fairly over the prefilling requests' tenants
+(`fair_shares`). On a CPU a forward pass costs about its token count, so the prefill cap, not the
+decodes, sets how long any turn waits for the step in flight (a long prompt alone included: a
+turn can arrive at any moment), and another tenant's short prompt gets an equal share of each
+step instead of queueing behind a long one.
+
+    running: A decoding, B decoding, C prefilling 6,000 ids, D (another tenant) prefilling 14
+    step:    | A 1 | B 1 | C 18 | D 14, samples |     max_prefill_tokens 32: equal shares
+             of 16; D needs only 14, so C takes the 2 left
 
 Admission (waiting -> running) is bounded by `max_running_requests`, `max_running_per_tenant` and
 the device KV budget (each request reserves its working buffer's bytes through its accountant), and
@@ -22,7 +30,7 @@ from cache.ids import TenantId
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.request import Request, RequestState
 
-__all__ = ["Scheduler", "SchedulerConfig", "TenantRoundRobin"]
+__all__ = ["Scheduler", "SchedulerConfig", "TenantRoundRobin", "fair_shares"]
 
 
 @dataclass(frozen=True)
@@ -174,22 +182,27 @@ class Scheduler:
         return True
 
     def _pack(self) -> tuple[ScheduledChunk, ...]:
-        budget = self.config.max_step_tokens
-        cap = self.config.max_batch_requests or len(self.running)
-        ordered = self._rotated()
-        if len(ordered) <= min(budget, cap):
-            # Everyone fits: decodes first, so a prefill chunk takes only what they leave.
-            ordered = [r for r in ordered if not r.in_prefill] + [r for r in ordered if r.in_prefill]
-        chunks: list[ScheduledChunk] = []
-        for request in ordered:
-            if budget <= 0 or len(chunks) >= cap:
-                break
-            take = request.pending_ids[:budget]
-            chunks.append(ScheduledChunk(request, tuple(take), samples=len(take) == len(request.pending_ids)))
-            budget -= len(take)
+        seated = self._seated()
+        decodes = [r for r in seated if not r.in_prefill]
+        prefills = [r for r in seated if r.in_prefill]
+        budget = self.config.max_step_tokens - len(decodes)
+        if self.config.max_prefill_tokens:
+            budget = min(budget, self.config.max_prefill_tokens)
+        shares = fair_shares([(r.tenant_id, len(r.pending_ids)) for r in prefills], budget)
+        chunks = [ScheduledChunk(r, tuple(r.pending_ids), samples=True) for r in decodes]
+        for request, share in zip(prefills, shares, strict=True):
+            if share:
+                take = tuple(request.pending_ids[:share])
+                chunks.append(ScheduledChunk(request, take, samples=share == len(request.pending_ids)))
         if len(chunks) < len(self.running):
             self._rotation += len(chunks)  # those left out this step go first in the next
         return tuple(chunks)
+
+    def _seated(self) -> list[Request]:
+        """The requests that may feed ids this step: every running one when each can have a token
+        and a batch seat, else as many as can from the rotating offset (`_rotated`)."""
+        seats = min(self.config.max_step_tokens, self.config.max_batch_requests or len(self.running))
+        return self._rotated()[:seats]
 
     def _rotated(self) -> list[Request]:
         """Running requests from a rotating offset, so that when a step cannot take them all (the
@@ -198,6 +211,31 @@ class Scheduler:
             return []
         start = self._rotation % len(self.running)
         return self.running[start:] + self.running[:start]
+
+
+def fair_shares(needs: Sequence[tuple[TenantId, int]], budget: int) -> list[int]:
+    """Split `budget` tokens over requests given as `(tenant, tokens wanted)`, max-min fairly by
+    tenant (water-filling): each tenant still wanting tokens gets an equal share, a share larger
+    than a tenant wants goes round again to the others, and tokens too few to share go one each to
+    the tenants wanting the fewest. Within a tenant, its requests take its tokens first come, first
+    served (in `needs` order). Returns the tokens of each request, in `needs` order; they sum to at most `budget`."""
+    wanted: dict[TenantId, int] = {}
+    for tenant, need in needs:
+        wanted[tenant] = wanted.get(tenant, 0) + need
+    granted = dict.fromkeys(wanted, 0)
+    while budget > 0 and (hungry := [t for t in wanted if granted[t] < wanted[t]]):
+        each = max(1, budget // len(hungry))
+        # Least wanted first: the odd tokens finish a short prefill rather than lengthen a long one.
+        for tenant in sorted(hungry, key=lambda t: wanted[t] - granted[t]):
+            give = min(each, wanted[tenant] - granted[tenant], budget)
+            granted[tenant] += give
+            budget -= give
+    shares = []
+    for tenant, need in needs:
+        take = min(need, granted[tenant])
+        granted[tenant] -= take
+        shares.append(take)
+    return shares
 
 
 def _count(requests: Iterable[Request]) -> dict[TenantId, int]:

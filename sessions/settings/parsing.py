@@ -34,6 +34,7 @@ _INTEGER_FIELDS = frozenset(
         "window_observation_tokens",
         "threads",
         "max_step_tokens",
+        "max_prefill_tokens",
         "max_running_requests",
         "max_running_per_tenant",
         "max_batch_requests",

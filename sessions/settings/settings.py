@@ -176,7 +176,11 @@ class Settings:
 
     max_step_tokens: int = 256
     """Tokens per engine step (one forward pass): every running decode's next token plus chunks of
-    pending prefills. Bounds how long a long prefill holds the running decodes back."""
+    pending prefills."""
+    max_prefill_tokens: int = 32
+    """Prefill tokens per engine step, of all prefilling turns together, split max-min fairly over
+    their tenants (0: only `max_step_tokens`). Bounds how long a long prefill holds every other turn
+    back, an arriving one included (on a CPU a step costs about its token count); raise it on a GPU."""
     max_running_requests: int = 32
     """Turns holding a working KV buffer at once; more wait in the queue."""
     max_running_per_tenant: int = 0
@@ -297,6 +301,7 @@ class Settings:
         """The engine loop's limits from these settings."""
         return SchedulerConfig(
             max_step_tokens=self.max_step_tokens,
+            max_prefill_tokens=self.max_prefill_tokens,
             max_running_requests=self.max_running_requests,
             max_running_per_tenant=self.max_running_per_tenant,
             max_batch_requests=self.max_batch_requests,

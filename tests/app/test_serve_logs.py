@@ -79,8 +79,8 @@ STARTUP_STEPS = [
     ("sessions.startup", r"tier budgets: device .* \(tenant quota .*\), host .*, disk .*; caches persisted .*"),
     (
         "sessions.startup",
-        r"context window \d+ of the model's 4096 tokens \(policy turns\); engine loop: \d+ tokens per step, "
-        r"\d+ running requests",
+        r"context window \d+ of the model's 4096 tokens \(policy turns\); engine loop: \d+ tokens per step "
+        r"\(\d+ of them prefill\), \d+ running requests",
     ),
     ("sessions.startup", r"disk tier: 0 cached blobs found in .*/home/blobs"),
     ("sessions.startup", r"sessions ready: start-up took \d+\.\d s"),

@@ -8,7 +8,7 @@ from cache.ids import TenantId
 from cache.working_cache import WorkingCache
 from sessions.engine.config import SchedulerConfig
 from sessions.engine.request import Request
-from sessions.engine.scheduler import Scheduler, TenantRoundRobin
+from sessions.engine.scheduler import Scheduler, TenantRoundRobin, fair_shares
 from sessions.sampling import SamplingParams
 
 
@@ -74,7 +74,7 @@ def test_per_tenant_limit_lets_other_tenants_in() -> None:
 
 
 def test_a_long_prefill_is_chunked_and_decodes_go_first() -> None:
-    scheduler = Scheduler(SchedulerConfig(max_step_tokens=64))
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=64, max_prefill_tokens=0))
     decoding = request("a", prefill=1)
     scheduler.add(decoding)
     scheduler.schedule()
@@ -92,6 +92,96 @@ def test_a_long_prefill_is_chunked_and_decodes_go_first() -> None:
         del long.pending_ids[: len(chunk.token_ids)]
         assert plan.num_tokens <= 64
     assert sizes == [63, 63, 24]
+
+
+def decoding(tenant: str) -> Request:
+    """A running request that has sampled a token: its one pending id is that token."""
+    r = request(tenant, prefill=1)
+    r.generated.append(7)
+    r.pending_ids[:] = [7]
+    return r
+
+
+def feed(scheduler: Scheduler) -> list[tuple[str, int, bool]]:
+    """One step: (tenant, ids fed, samples) per chunk, the fed ids taken off each request as the loop
+    would (a decode stays a decode)."""
+    fed = []
+    for chunk in scheduler.schedule().chunks:
+        fed.append((str(chunk.request.tenant_id), len(chunk.token_ids), chunk.samples))
+        if chunk.request.in_prefill:
+            del chunk.request.pending_ids[: len(chunk.token_ids)]
+            if not chunk.request.pending_ids:
+                chunk.request.generated.append(7)
+                chunk.request.pending_ids[:] = [7]
+    return fed
+
+
+def test_fair_shares_split_the_budget_equally_by_tenant_and_pass_on_what_a_tenant_does_not_need() -> None:
+    a, b, c = TenantId("a"), TenantId("b"), TenantId("c")
+    assert fair_shares([(a, 6000), (b, 14)], 32) == [18, 14]
+    assert fair_shares([(a, 6000), (a, 6000), (b, 6000)], 32) == [16, 0, 16]  # by tenant, not request
+    assert fair_shares([(a, 3), (a, 5), (b, 100)], 32) == [3, 5, 24]
+    assert fair_shares([(a, 100), (b, 100), (c, 100)], 32) == [11, 11, 10]
+    assert fair_shares([(a, 100), (b, 100), (c, 100)], 2) == [1, 1, 0]
+    assert fair_shares([(a, 100), (b, 100), (c, 50)], 2) == [1, 0, 1]  # odd ids: the least wanting first
+    assert fair_shares([(a, 4), (b, 5)], 256) == [4, 5]
+    assert fair_shares([], 32) == []
+
+
+def test_a_long_prefill_takes_small_chunks_even_alone_and_shares_them_with_an_arriving_prompt() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=256, max_prefill_tokens=32))
+    long = request("long", prefill=6000)
+    scheduler.add(long)
+    assert feed(scheduler) == [("long", 32, False)]  # so an arriving turn waits one short step
+    scheduler.add(request("short", prefill=14))
+    assert feed(scheduler) == [("long", 18, False), ("short", 14, True)]
+    assert feed(scheduler) == [("short", 1, True), ("long", 32, False)]  # decodes go first, beside the share
+
+
+def test_four_long_prefills_leave_another_tenants_short_prefill_an_equal_share_of_each_step() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=256, max_prefill_tokens=32))
+    for i in range(4):
+        scheduler.add(request(f"long{i}", prefill=6000))
+    scheduler.schedule()  # all four admitted
+    scheduler.add(request("short", prefill=14))
+    # Equal shares of 6, the 2 odd ids to the least wanting: the short prefill, then the first long.
+    assert feed(scheduler) == [
+        ("long0", 7, False),
+        ("long1", 6, False),
+        ("long2", 6, False),
+        ("long3", 6, False),
+        ("short", 7, False),
+    ]
+    assert feed(scheduler) == [
+        ("long0", 7, False),
+        ("long1", 6, False),
+        ("long2", 6, False),
+        ("long3", 6, False),
+        ("short", 7, True),
+    ]
+
+
+def test_a_tenant_with_four_long_prefills_gets_the_share_of_one_tenant() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=256, max_prefill_tokens=32))
+    for _ in range(4):
+        scheduler.add(request("greedy", prefill=6000))
+    scheduler.add(request("other", prefill=100))
+    fed: dict[str, int] = {}
+    for _ in range(3):
+        for tenant, n, _ in feed(scheduler):
+            fed[tenant] = fed.get(tenant, 0) + n
+    assert fed == {"greedy": 48, "other": 48}
+
+
+def test_decodes_are_never_held_back_by_the_prefill_share() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_step_tokens=256, max_prefill_tokens=4))
+    running = [decoding(f"d{i}") for i in range(10)]
+    for r in running:
+        scheduler.add(r)
+    scheduler.add(request("long", prefill=6000))
+    fed = feed(scheduler)
+    assert [n for t, n, _ in fed if t != "long"] == [1] * 10
+    assert ("long", 4, False) in fed
 
 
 def test_batching_off_runs_one_request_per_step_in_turn() -> None:

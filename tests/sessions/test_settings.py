@@ -45,6 +45,7 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "offload_precision": ("int8", "int8"),
     "quant_residual_tokens": ("16", 16),
     "max_step_tokens": ("128", 128),
+    "max_prefill_tokens": ("48", 48),
     "max_running_requests": ("8", 8),
     "max_running_per_tenant": ("2", 2),
     "max_batch_requests": ("4", 4),

@@ -134,6 +134,9 @@ class _CountingTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> Any:
+        return self._tokenizer(texts, add_special_tokens=add_special_tokens)
+
 
 def _past(engine: Engine, turns: int) -> list[PastTurn]:
     """`turns` turns whose replies re-tokenise to other ids (each character on its own) and whose
