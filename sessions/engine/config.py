@@ -11,10 +11,11 @@ class SchedulerConfig:
 
     Attributes:
         max_step_tokens: tokens fed per forward pass (decodes plus prefill chunks).
-        max_prefill_tokens: prefill tokens per forward pass (of all prefilling requests together,
-            split max-min fairly over their tenants; 0: no such limit, `max_step_tokens` only). On
-            a CPU a step costs about its token count, so this bounds how long a long prefill holds
-            every other turn back, an arriving one included; raise it on a GPU.
+        max_prefill_tokens: prefill tokens per forward pass while other requests run or wait (of
+            all prefilling requests together, split max-min fairly over their tenants; 0: no such
+            limit, `max_step_tokens` only). On a CPU a shared step costs about its token count,
+            so this bounds how long a long prefill holds the other turns back; a prefill alone in
+            the loop takes `max_step_tokens`. Raise it on a GPU.
         max_running_requests: requests holding a working KV buffer at once.
         max_running_per_tenant: running requests one tenant may have (0: `max_running_requests`).
         max_batch_requests: requests per step (0: every running request). 1 turns batching off:

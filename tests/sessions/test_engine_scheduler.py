@@ -128,12 +128,12 @@ def test_fair_shares_split_the_budget_equally_by_tenant_and_pass_on_what_a_tenan
     assert fair_shares([], 32) == []
 
 
-def test_a_long_prefill_takes_small_chunks_even_alone_and_shares_them_with_an_arriving_prompt() -> None:
+def test_a_long_prefill_alone_takes_full_steps_and_shares_small_chunks_once_a_prompt_arrives() -> None:
     scheduler = Scheduler(SchedulerConfig(max_step_tokens=256, max_prefill_tokens=32))
     long = request("long", prefill=6000)
     scheduler.add(long)
-    assert feed(scheduler) == [("long", 32, False)]  # so an arriving turn waits one short step
-    scheduler.add(request("short", prefill=14))
+    assert feed(scheduler) == [("long", 256, False)]  # alone: a small step would cost a weight read
+    scheduler.add(request("short", prefill=14))  # waiting: the cap applies from the next step
     assert feed(scheduler) == [("long", 18, False), ("short", 14, True)]
     assert feed(scheduler) == [("short", 1, True), ("long", 32, False)]  # decodes go first, beside the share
 
