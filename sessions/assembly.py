@@ -367,7 +367,6 @@ def _response_parts(database: Database, registry: Registry, catalogue: SessionCa
     )
     responses = ResponseRecords(
         database,
-        session_turns=lambda t, s: registry.session_record(t, s).message_count // 2,
         delete_session=catalogue.delete,
         held_by_conversation=conversations.holds,
     )

@@ -21,7 +21,6 @@ import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 
 import sqlalchemy
 
@@ -37,19 +36,13 @@ RESPONSE_ID_PREFIX = "resp_"
 
 @dataclass(frozen=True)
 class ResponsePoint:
-    """A stored response and where it is: turn `turn_index` (0-based) of `session_id`; `latest`
-    when that turn is the session's last (a next turn continues the session, else forks it)."""
+    """Where a stored response is: turn `turn_index` (0-based) of `session_id`; `latest` when that
+    turn is the session's last (a next turn continues the session, else forks it)."""
 
     id: str
     session_id: str
     turn_index: int
     latest: bool
-    previous_response_id: str | None
-    response: str
-    """The response object as answered (JSON text)."""
-    input_items: str
-    """The input items it was created with (JSON text of a list)."""
-    created_at: datetime
 
 
 class ResponseRecords:
@@ -57,7 +50,6 @@ class ResponseRecords:
 
     Args:
         database: the metadata database.
-        session_turns: the number of turns of the tenant's session (raises `SessionNotFound`).
         delete_session: deletes the tenant's session, caches in every tier included.
         held_by_conversation: whether a conversation of the tenant is held by the session.
     """
@@ -66,12 +58,10 @@ class ResponseRecords:
         self,
         database: sqlalchemy.Engine,
         *,
-        session_turns: Callable[[TenantId, str], int],
         delete_session: Callable[[TenantId, str], None],
         held_by_conversation: Callable[[TenantId, str], bool],
     ) -> None:
         self._store = ResponseStore(database)
-        self._turns = session_turns
         self._delete_session = delete_session
         self._held = held_by_conversation
 
@@ -81,28 +71,29 @@ class ResponseRecords:
         return RESPONSE_ID_PREFIX + secrets.token_hex(12)
 
     def point(self, tenant_id: TenantId, response_id: str) -> ResponsePoint:
-        """The tenant's stored response `response_id` and where it is.
+        """Where the tenant's stored response `response_id` is (one query: a turn after it asks
+        before its first token).
 
         Raises:
             ResponseNotFound: for a missing id, another tenant's, or one whose session is gone.
         """
+        where = self._store.locate(tenant_id=tenant_id, response_id=str(response_id))
+        if where is None:
+            raise ResponseNotFound(str(response_id))
+        latest = where.turn_index + 1 == where.session_turns
+        return ResponsePoint(str(response_id), where.session_id, where.turn_index, latest)
+
+    def stored(self, tenant_id: TenantId, response_id: str) -> ResponseRecord:
+        """The tenant's stored response `response_id` with its JSON texts (the response object as
+        answered, the input items it was created with).
+
+        Raises:
+            ResponseNotFound: for a missing id or another tenant's.
+        """
         record = self._store.get(tenant_id=tenant_id, response_id=str(response_id))
         if record is None:
             raise ResponseNotFound(str(response_id))
-        try:
-            turns = self._turns(tenant_id, record.session_id)
-        except SessionNotFound:
-            raise ResponseNotFound(str(response_id)) from None
-        return ResponsePoint(
-            id=record.id,
-            session_id=record.session_id,
-            turn_index=record.turn_index,
-            latest=record.turn_index + 1 == turns,
-            previous_response_id=record.previous_response_id,
-            response=record.response,
-            input_items=record.input_items,
-            created_at=record.created_at,
-        )
+        return record
 
     def record(
         self,

@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from storage.database import Repository
 from storage.errors import SessionGone
 from storage.idempotency_store import Claimed, complete_with_response
-from storage.schema import ResponseRow, utcnow
+from storage.schema import MessageRow, ResponseRow, SessionRow, utcnow
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,16 @@ class ResponseRecord:
     input_items: str
     """The input items it was created with (JSON text of a list)."""
     created_at: datetime
+
+
+@dataclass(frozen=True)
+class ResponseLocation:
+    """Where a stored response is: turn `turn_index` of `session_id`, which holds `session_turns`
+    turns now."""
+
+    session_id: str
+    turn_index: int
+    session_turns: int
 
 
 class ResponseStore(Repository):
@@ -85,6 +95,23 @@ class ResponseStore(Repository):
                 select(ResponseRow).where(ResponseRow.tenant_id == tenant_id, ResponseRow.id == response_id)
             )
             return None if row is None else _record(row)
+
+    def locate(self, *, tenant_id: str, response_id: str) -> ResponseLocation | None:
+        """Where the tenant's response `response_id` is, or `None` (missing, another tenant's, or
+        its session gone). One query, without the JSON columns: it is on a turn's first-token
+        path (`previous_response_id`)."""
+        messages = (
+            select(func.count()).select_from(MessageRow).where(MessageRow.session_id == ResponseRow.session_id)
+        ).scalar_subquery()
+        with self._unit() as db:
+            row = db.execute(
+                select(ResponseRow.session_id, ResponseRow.turn_index, messages)
+                .join(SessionRow, (SessionRow.id == ResponseRow.session_id) & (SessionRow.tenant_id == tenant_id))
+                .where(ResponseRow.tenant_id == tenant_id, ResponseRow.id == response_id)
+            ).one_or_none()
+            if row is None:
+                return None
+            return ResponseLocation(row[0], row[1], int(row[2]) // 2)  # a turn is two messages
 
     def delete(self, *, tenant_id: str, response_id: str) -> ResponseRecord | None:
         """Delete the tenant's response; returns what it was, or `None` if there was none."""

@@ -163,7 +163,7 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
     @router.get("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
     def retrieve_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
         """A stored response as it was answered."""
-        return JSONResponse(json.loads(manager.responses.point(tenant.id, response_id).response))
+        return JSONResponse(json.loads(manager.responses.stored(tenant.id, response_id).response))
 
     @router.delete("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
     def delete_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
@@ -180,8 +180,8 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
         order: Annotated[str, Query(description="`desc` (newest first, the default) or `asc`.")] = "desc",
     ) -> JSONResponse:
         """The input items the response was created with (not those of earlier responses)."""
-        point = manager.responses.point(tenant.id, response_id)
-        return JSONResponse(items_page(json.loads(point.input_items), after, limit, order))
+        stored = manager.responses.stored(tenant.id, response_id)
+        return JSONResponse(items_page(json.loads(stored.input_items), after, limit, order))
 
     @router.post("/responses/{response_id}/cancel", responses={404: {"description": "No such response."}})
     def cancel_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
