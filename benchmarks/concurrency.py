@@ -11,10 +11,12 @@ moment and each decodes up to `--new-tokens` tokens. Per N, in one run on one lo
   `--new-tokens` steps), its prefill of the whole history included.
 
 Throughput is generated tokens over wall time from the common start to the last reply (prefill
-included for every column). Then two latency checks at `--busy` running turns: the TTFT of one
-turn that arrives while the others decode, against the same turn alone; and the gap between
-consecutive streamed tokens of the running turns while a `--long-prompt-tokens` prefill arrives,
-against the same gaps without it and against one step that carries a full token budget.
+included for every column); chatkv's replies end at a stop token, the transformers batch always
+runs `--new-tokens` steps, so the table shows both token counts. Then two latency checks at
+`--busy` running turns: the TTFT of one turn that arrives while the others decode, against the
+same turn alone; and the gap between consecutive streamed tokens of the running turns while a
+`--long-prompt-tokens` prefill arrives, against the same gaps without it and against one step that
+carries a full token budget.
 
     .venv/bin/python benchmarks/concurrency.py [--quick] [--threads 1]
 """
@@ -252,6 +254,7 @@ def main() -> None:
                     f"{off['tokens_per_s']:.1f}",
                     f"{plain['tokens_per_s']:.1f}",
                     fmt_ratio(ours["tokens_per_s"] / plain["tokens_per_s"]),
+                    f"{ours['tokens']} / {plain['tokens']}",
                     fmt_s(median(ours["ttft_s"])),
                     fmt_s(p95(ours["ttft_s"])),
                     fmt_s(median(ours["queue_s"])),
@@ -269,6 +272,7 @@ def main() -> None:
                 "batching off tok/s",
                 "transformers batch tok/s",
                 "chatkv / transformers",
+                "tokens chatkv / transformers",
                 "TTFT p50",
                 "TTFT p95",
                 "queue p50",

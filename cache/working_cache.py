@@ -46,7 +46,6 @@ class PreallocatedLayer(DynamicLayer):
         (`cache.attention_scores`)."""
         self.device = key_buffer.device
         self.is_initialized = True
-        self._refresh_views()
 
     @classmethod
     def from_parts(
@@ -70,9 +69,26 @@ class PreallocatedLayer(DynamicLayer):
             offset += n
         return cls(key_buffer, value_buffer, length, position_offset, window)
 
-    def _refresh_views(self) -> None:
-        self.keys = self._key_buffer[:, :, : self._length]
-        self.values = self._value_buffer[:, :, : self._length]
+    # `keys` and `values` are views made when read, not attributes refreshed at every write: the
+    # engine writes each request's keys once per model layer per step, and most of those views
+    # would never be read.
+    @property
+    def keys(self) -> torch.Tensor:
+        """View of the filled part of the key buffer, `[1, kv_heads, length, head_dim]`."""
+        return self._key_buffer[:, :, : self._length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        _refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """View of the filled part of the value buffer, `[1, kv_heads, length, head_dim]`."""
+        return self._value_buffer[:, :, : self._length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        _refuse_assignment("values", value)
 
     @property
     def filled_keys(self) -> torch.Tensor:
@@ -89,15 +105,18 @@ class PreallocatedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        new = key_states.shape[-2]
-        if self._length + new > self._key_buffer.shape[-2]:
-            self._grow(self._length + new)
-        end = self._length + new
-        self._key_buffer[:, :, self._length : end].copy_(key_states)
-        self._value_buffer[:, :, self._length : end].copy_(value_states)
-        self._length = end
-        self._refresh_views()
+        self.append(key_states, value_states)
         return self.filled_keys, self.filled_values
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write `[1, kv_heads, n, head_dim]` keys and values after the filled part (the engine's
+        step: `update` without building the views it returns)."""
+        end = self._length + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:
+            self._grow(end)
+        self._key_buffer[:, :, self._length : end] = key_states
+        self._value_buffer[:, :, self._length : end] = value_states
+        self._length = end
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self._key_buffer.shape[-2])
@@ -125,7 +144,12 @@ class PreallocatedLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         self._length = max(0, self._length + tokens_to_remove)
-        self._refresh_views()
+
+
+def _refuse_assignment(name: str, value: torch.Tensor | None) -> None:
+    # `DynamicLayer.__init__` sets both to `None`; anything else would bypass the buffer.
+    if value is not None:
+        raise AttributeError(f"PreallocatedLayer.{name} is a view of its buffer; write with update()")
 
 
 class WorkingCache(DynamicCache):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -83,6 +84,11 @@ class PackedBatch:
     logits_indices: torch.Tensor
     observed: dict[int, dict[str, Any]] | None = None
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def lengths(self) -> list[int]:
+        """Each segment's token count, in row order (the sizes to `split` the step's row by)."""
+        return [segment.length for segment in self.segments]
 
     def mask(self, queries: int, keys: int, window: int | None) -> torch.Tensor | None:
         """The `[queries, keys]` bool mask of a chunk of `queries` tokens over its (sliced) buffer
@@ -155,11 +161,10 @@ class StepCache(DynamicCache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        for segment in self.batch.segments:
-            end = segment.start + segment.length
-            segment.layers[layer_idx].update(
-                key_states[:, :, segment.start : end], value_states[:, :, segment.start : end]
-            )
+        lengths = self.batch.lengths
+        keys, values = key_states.split(lengths, dim=2), value_states.split(lengths, dim=2)
+        for segment, segment_keys, segment_values in zip(self.batch.segments, keys, values, strict=True):
+            segment.layers[layer_idx].append(segment_keys, segment_values)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -122,15 +122,16 @@ def attend(
 
 
 def _segment_attention(
-    batch: PackedBatch, segment: Segment, layer_idx: int, query: torch.Tensor, **kind: Any
+    batch: PackedBatch, segment: Segment, layer_idx: int, q: torch.Tensor, kind: dict[str, Any]
 ) -> torch.Tensor:
+    """Attention of one request's chunk `q [1, heads, n, head_dim]` over its own buffer of model
+    layer `layer_idx`. Returns `[1, n, heads, head_dim]` (a view), the layout the model expects."""
     layer = segment.layers[layer_idx]
     window: int | None = kind["sliding_window"]
     if window != layer.window:
         raise UnsupportedAttentionArgument(
             "sliding_window", window, layer_idx, f"but its config gives it window {layer.window}"
         )
-    q = query[:, :, segment.start : segment.start + segment.length]  # [1, heads, n, head_dim]
     if layer.query_observer is not None:
         layer.query_observer(q, kind["scaling"])
     keys, values = layer.filled_keys, layer.filled_values
@@ -138,7 +139,8 @@ def _segment_attention(
         first = max(0, keys.shape[2] - segment.length - (window - 1))
         keys, values = keys[:, :, first:], values[:, :, first:]
     mask = batch.mask(segment.length, keys.shape[2], window)
-    return attend(q, keys, values, mask, kind["scaling"], kind["s_aux"], kind["softcap"])
+    out = attend(q, keys, values, mask, kind["scaling"], kind["s_aux"], kind["softcap"])
+    return out.transpose(1, 2)
 
 
 def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
@@ -171,9 +173,13 @@ def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> C
             "s_aux": kwargs.get("s_aux"),
         }
         batch.observe(layer_idx, kind)
-        outputs = [_segment_attention(batch, segment, layer_idx, query, **kind) for segment in batch.segments]
-        out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        return out.transpose(1, 2).contiguous(), None  # [1, T, heads, head_dim], as transformers expects
+        queries = query.split(batch.lengths, dim=2)  # per request [1, heads, n, head_dim]
+        outputs = [
+            _segment_attention(batch, segment, layer_idx, q, kind)
+            for segment, q in zip(batch.segments, queries, strict=True)
+        ]
+        # One copy into the `[1, T, heads, head_dim]` transformers expects.
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0].contiguous(), None
 
     return packed_attention
 
