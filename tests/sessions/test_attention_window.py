@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -291,12 +292,16 @@ def test_an_evicting_turn_prefills_its_ids_once(tmp_path: Path, tiny_engine: Eng
         with open_manager(tmp_path / "home", tiny_engine) as manager:
             tenant = manager.create_tenant("acme")
             sid = manager.open_session(tenant, system_prompt=SYSTEM)
-            evicting = 0
+            evicting = expected = 0
             for message in MESSAGES[:8]:
-                fed.tokens = 0
                 reply = manager.chat(tenant, sid, message, max_new_tokens=8)
                 # The turn's ids once, then every sampled token but the last: no scoring copy.
-                assert fed.tokens == reply.stats.prefill_tokens + reply.stats.decode_tokens - 1
+                expected += reply.stats.prefill_tokens + reply.stats.decode_tokens - 1
+                # The loop tells its observers after the step that delivered the reply: wait for it.
+                deadline = time.monotonic() + 10
+                while fed.tokens < expected and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert fed.tokens == expected
                 evicting += reply.stats.demoted_tokens > 0
             assert evicting >= 3
     finally:
