@@ -262,8 +262,9 @@ def _check_model(manager: SessionManager, model: str) -> None:
         )
 
 
-def parse_messages(messages: list[ChatMessage]) -> Posted:
-    """Split posted messages into system prompt, earlier turns and the new message.
+def parse_messages(messages: list[ChatMessage], field: str = "messages") -> Posted:
+    """Split posted messages into system prompt, earlier turns and the new message. `field`: the
+    request's field the errors name (`input` for the Responses face, which posts its items here).
 
     Raises:
         ApiError: for more than `MAX_MESSAGES` messages, tool messages or non-text content.
@@ -272,14 +273,14 @@ def parse_messages(messages: list[ChatMessage]) -> Posted:
     if len(messages) > MAX_MESSAGES:
         raise ApiError(
             400,
-            f"Invalid 'messages': array too long. Expected an array with maximum length {MAX_MESSAGES}, "
+            f"Invalid '{field}': array too long. Expected an array with maximum length {MAX_MESSAGES}, "
             f"but got an array with length {len(messages)} instead.",
             "array_above_max_length",
-            param="messages",
+            param=field,
         )
     texts: list[tuple[str, str]] = []
     for index, message in enumerate(messages):
-        where = f"messages[{index}]"
+        where = _where(field, index)
         role = "system" if message.role == "developer" else message.role
         if role in ("tool", "function") or message.tool_calls:
             raise unsupported("tool messages are", f"{where}.role")
@@ -293,12 +294,18 @@ def parse_messages(messages: list[ChatMessage]) -> Posted:
     roles = [role for role, _ in rest]
     if len(roles) % 2 == 0 or roles != ["user", "assistant"] * (len(roles) // 2) + ["user"]:
         raise InvalidInput(
-            "messages must be an optional system message, then alternating user and assistant messages, "
+            f"{field} must be an optional system message, then alternating user and assistant messages, "
             f"ending with a user message; got roles {[role for role, _ in texts]}"
         )
     history = [(rest[i][1], rest[i + 1][1]) for i in range(0, len(rest) - 1, 2)]
-    new_message = check_message(rest[-1][1], f"messages[{len(texts) - 1}].content")
+    new_message = check_message(rest[-1][1], f"{_where(field, len(texts) - 1)}.content")
     return Posted(system_prompt, history, new_message)
+
+
+def _where(field: str, index: int) -> str:
+    # Only `messages` is posted as given; Responses' `input` comes after instructions and a
+    # conversation's items, so an index here would not be the client's.
+    return f"{field}[{index}]" if field == "messages" else f"{field}'s message"
 
 
 def _text(message: ChatMessage, where: str) -> str:

@@ -201,7 +201,7 @@ def parse_input(body: ResponseRequest, earlier: Sequence[InputItem] = ()) -> Pos
     for index, item in rest:
         text = item_text(index, item)  # first: it refuses item types other than messages by name
         messages.append(ChatMessage(role=_role(index, item), content=text))
-    return parse_messages(messages)
+    return parse_messages(messages, "input")
 
 
 def input_as_items(body: ResponseRequest) -> list[InputItem]:
