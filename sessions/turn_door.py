@@ -18,7 +18,8 @@ builds one), into a `TurnPlan` (one prefix lookup at most), which `run` carries 
                                 fork      its session after the response's turn (a branch)
                                 new       instructions that differ from the session's: a new
                                           session holding its turns through the response
-    a conversation              continue  its session while it holds exactly its items
+    a conversation              continue  its session while it holds exactly its items (a turn
+                                          in flight there: 409 session_busy, never a branch)
                                 new       a new session holding them
 
 A session made for the turn (a fork, a new one) is deleted again unless its turn completes: a
@@ -231,10 +232,12 @@ class TurnDoor:
 
     def _in_conversation(self, tenant_id: TenantId, target: TurnTarget, conversation_id: str) -> tuple[Step, ...]:
         record = self._conversations.get(tenant_id, conversation_id)
-        new = New(target.system_prompt, tuple(target.history), "explicit")
         if record.session_id is not None and self._holds(tenant_id, record.session_id, target):
-            return (Continue(record.session_id, len(target.history)), new)  # moved on meanwhile: new
-        return (new,)
+            # No fallback: a turn in flight there is a 409 (SessionBusy), like a session's own route.
+            # A new session would run a turn the conversation then lists after the one in flight,
+            # whose reply it never saw.
+            return (Continue(record.session_id, len(target.history)),)
+        return (New(target.system_prompt, tuple(target.history), "explicit"),)
 
     def _holds(self, tenant_id: TenantId, session_id: str, target: TurnTarget) -> bool:
         """Whether the session holds exactly the target's system prompt and earlier turns."""

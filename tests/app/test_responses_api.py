@@ -216,6 +216,33 @@ def test_streamed_events_come_in_order_and_join_to_the_stored_reply(api: Api) ->
     assert stored.model_dump() == events[-1].response.model_dump()
 
 
+def test_a_second_response_while_a_conversations_turn_is_in_flight_is_a_409_and_adds_nothing(api: Api) -> None:
+    client = api.client()
+    before = api.sessions()
+    conversation = client.conversations.create(items=[{"type": "message", "role": "developer", "content": SYSTEM}])
+    first = api.create(input="Hello", conversation=conversation.id)
+    stream = client.responses.create(
+        model=api.model, input="Go on", conversation=conversation.id, max_output_tokens=2000, stream=True
+    )
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":  # the turn is in flight on the conversation's session
+            with pytest.raises(openai.ConflictError) as busy:
+                api.create(input="Meanwhile", conversation=conversation.id)
+            assert busy.value.code == "session_busy"
+            client.responses.cancel(events[0].response.id)
+            events.extend(stream)
+            break
+    assert events[-1].type == "error" and events[-1].code == "response_cancelled"
+    texts = [i.content[0].text for i in client.conversations.items.list(conversation.id, order="asc").data]
+    assert texts == [SYSTEM, "Hello", first.output_text]  # nothing of either later request
+    assert len(api.sessions() - before) == 1  # no second session made for the refused turn
+    client.conversations.delete(conversation.id)
+    client.responses.delete(first.id)
+    assert api.sessions() == before
+
+
 def test_a_streamed_response_in_flight_is_cancelled_and_stores_nothing(api: Api) -> None:
     client = api.client()
     before = api.sessions()
