@@ -41,7 +41,7 @@ from sessions.conversations import ConversationRecords
 from sessions.errors import ChatKVError, InvalidInput, SessionBusy, SessionExists, SessionNotFound
 from sessions.forks import TIER_RANK, Forks
 from sessions.metrics import Metrics
-from sessions.records import Reply
+from sessions.records import Message, Reply
 from sessions.registry import SESSION_ID_PREFIX, Registry
 from sessions.replicas.role import Replicas
 from sessions.replicas.routing import Route
@@ -223,7 +223,7 @@ class TurnDoor:
             and instructions != self._registry.session_record(tenant_id, point.session_id).system_prompt
         ):
             messages = self._registry.messages(tenant_id, point.session_id)[: 2 * turns]
-            earlier = tuple((messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2))
+            earlier = _turn_pairs(messages)
             return (New(instructions, earlier, "explicit"),)
         fork = Fork(point.session_id, turns, "fork")
         if point.latest and target.store:
@@ -246,8 +246,7 @@ class TurnDoor:
             messages = self._registry.messages(tenant_id, session_id)
         except SessionNotFound:
             return False
-        held = [(messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2)]
-        return record.system_prompt == target.system_prompt and held == list(target.history)
+        return record.system_prompt == target.system_prompt and _turn_pairs(messages) == tuple(target.history)
 
     def _cost(self, tenant_id: TenantId, match: PrefixMatch) -> tuple[int, float]:
         """Cheaper parents first: a cache on the device, then host, disk, elsewhere; then the most
@@ -324,3 +323,8 @@ def _continues(match: PrefixMatch, history: Sequence[tuple[str, str]]) -> bool:
     """Whether a posted history's turn may run on the matched session itself: an implicit session
     whose whole history it is."""
     return match.origin == "implicit" and match.whole and match.turns == len(history)
+
+
+def _turn_pairs(messages: Sequence[Message]) -> tuple[tuple[str, str], ...]:
+    """A session's stored messages as (user text, reply text) turns; a trailing unanswered one is left out."""
+    return tuple((messages[i].text, messages[i + 1].text) for i in range(0, len(messages) - 1, 2))
