@@ -29,7 +29,7 @@ from collections.abc import Generator, Sequence
 from typing import Any, Unpack
 
 from cache.ids import SessionId
-from cache.tiers import LOCAL_TIERS, CacheKey
+from cache.tiers import CacheKey
 from sessions.assembly import ManagerParts, assemble, close_parts
 from sessions.cancellation import CancelToken
 from sessions.catalogue import MAX_TITLE_CHARS, SessionDetail
@@ -522,57 +522,14 @@ class SessionManager:
         self._parts.replicas.set_url(url)
 
     def stats(self) -> dict[str, Any]:
-        """Sessions and bytes per tier (`copies`: sessions placed higher whose copy the tier also
-        holds, the write-back's disk copies; their bytes count), budgets, cache hit rate, prefill
-        tokens saved, evictions;
-        `prompt_tokens_by_tenant`: each tenant's prompt tokens served from cache and prefilled
-        since start (by tenant id); `forks`: forks by the tier their cache came from."""
-        usage = self._parts.tiers.usage()
-        m = self._parts.metrics
-
-        def value(counter: Any, *labels: str) -> float:
-            return float(counter.labels(*labels)._value.get()) if labels else float(counter._value.get())
-
-        queries = value(m.cache_queries, "tokens")
-        evictions = {
-            f"{s.value}->{t}": value(m.evictions, s.value, t)
-            for s in LOCAL_TIERS
-            for t in ("host", "disk", "dropped")
-            if value(m.evictions, s.value, t)
-        }
-        return {
-            "tiers": {
-                t.value: {
-                    "sessions": usage.sessions[t],
-                    "copies": usage.copies.get(t, 0),
-                    "bytes": usage.bytes[t],
-                    "budget_bytes": usage.budgets[t],
-                    "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),
-                }
-                for t in LOCAL_TIERS
-            },
-            "base_layers_in_pool": len(self._parts.tiers.pool),
-            "cache_hit_rate_tokens": value(m.cache_hits, "tokens") / queries if queries else 0.0,
-            "prefill_tokens": value(m.prefill_tokens),
-            "prefill_tokens_saved": value(m.prefill_tokens_saved),
-            "evictions": evictions,
-            "integrity_failures": sum(value(m.integrity_failures, t.value) for t in LOCAL_TIERS),
-            "prompt_tokens_by_tenant": {
-                tenant_id: {
-                    "cached_tokens": cached,
-                    "prefilled_tokens": prefilled,
-                    "hit_rate_tokens": cached / (cached + prefilled) if cached + prefilled else 0.0,
-                }
-                for tenant_id, (cached, prefilled) in sorted(m.tenant_tokens().items())
-            },
-            "forks": {
-                source: value(m.forks, source)
-                for source in ("device", "host", "disk", "redis", "rebuilt", "new")
-                if value(m.forks, source)
-            },
+        """What `chatkv stats` shows: `Metrics.stats` (tiers, budgets, cache hit rate, prefill
+        tokens saved, evictions, per-tenant prompt tokens, forks) and the model's name,
+        fingerprint and context budget in tokens."""
+        parts = self._parts
+        return parts.metrics.stats(parts.tiers.usage(), len(parts.tiers.pool)) | {
             "model": self.model_name,
-            "model_fingerprint": self._parts.engine.fingerprint,
-            "context_budget_tokens": self._parts.context_budget_tokens,
+            "model_fingerprint": parts.engine.fingerprint,
+            "context_budget_tokens": parts.context_budget_tokens,
         }
 
 
