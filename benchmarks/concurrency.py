@@ -60,7 +60,9 @@ class Session:
     def __init__(self, manager: SessionManager, index: int, args: argparse.Namespace) -> None:
         self.tenant = manager.create_tenant(f"bench{index}")
         self.sid = manager.open_session(self.tenant, system_prompt=SYSTEM_PROMPT)
-        first = user_message(manager.engine, index, args.history_tokens - 60, QUESTIONS[index % len(QUESTIONS)])
+        first = user_message(
+            manager.internals.engine, index, args.history_tokens - 60, QUESTIONS[index % len(QUESTIONS)]
+        )
         reply = manager.chat(self.tenant, self.sid, first, max_new_tokens=48)
         self.history = [
             {"role": "system", "content": SYSTEM_PROMPT},

@@ -14,12 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cache.ids import SessionId, TenantId
 from sessions.admin import AdminOps, Json
 from sessions.cancellation import CancelToken
-from sessions.conversations import (
-    MAX_CONVERSATION_BYTES,
-    MAX_CONVERSATION_ITEMS,
-    ConversationRecord,
-    ConversationRecords,
-)
+from sessions.conversations import ConversationRecord, ConversationRecords
 from sessions.database import database_revision, head_revision, open_database, upgrade_database
 from sessions.errors import (
     BackendUnavailable,
@@ -58,23 +53,25 @@ from sessions.home import (
     read_owner,
     recovery_hint,
 )
-from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
+from sessions.idempotency import Claimed, IdempotentRequests, InProgress, KeyReused, Replay
 from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
-from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
-from sessions.responses import ResponsePoint, ResponseRecords
-from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
+from sessions.registry import SESSION_NAME_RULE
+from sessions.responses import ResponseRecords
+from sessions.settings import Settings, default_home, parse_duration_s
 from sessions.turn_options import TurnOptions
 from sessions.turn_target import TurnPlan, TurnTarget
-from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
+from sessions.validation import MAX_MESSAGE_CHARS, check_text
 
 if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
-    from sessions.manager import SessionManager
+    from sessions.manager import Services, SessionManager, open_services
     from sessions.replicas.routing import Route
     from sessions.turn_door import PlannedTurn
 
 _LAZY = {
     "SessionManager": "sessions.manager",
+    "Services": "sessions.manager",
+    "open_services": "sessions.manager",
     "SessionDetail": "sessions.catalogue",
     "PlannedTurn": "sessions.turn_door",
     "Route": "sessions.replicas.routing",
@@ -92,11 +89,7 @@ if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accep
 
 __all__ = [
     "ADMIN_TOKEN_FILE",
-    "MAX_CONVERSATION_BYTES",
-    "MAX_CONVERSATION_ITEMS",
-    "MAX_DURATION_S",
     "MAX_MESSAGE_CHARS",
-    "SESSION_ID_PREFIX",
     "SESSION_NAME_RULE",
     "AdminOps",
     "BackendUnavailable",
@@ -114,6 +107,7 @@ __all__ = [
     "HomeLock",
     "HomeLocked",
     "HomeLockedError",
+    "IdempotentRequests",
     "InProgress",
     "InvalidInput",
     "InvalidSettings",
@@ -129,11 +123,11 @@ __all__ = [
     "ReplicaRetired",
     "Reply",
     "ResponseNotFound",
-    "ResponsePoint",
     "ResponseRecords",
     "RestoreResult",
     "RestoreSource",
     "Route",
+    "Services",
     "SessionBusy",
     "SessionDetail",
     "SessionExists",
@@ -155,7 +149,6 @@ __all__ = [
     "TurnTarget",
     "UnsupportedModel",
     "admin_token",
-    "check_session_name",
     "check_text",
     "check_unlocked",
     "database_revision",
@@ -163,9 +156,9 @@ __all__ = [
     "describe_owner",
     "head_revision",
     "open_database",
+    "open_services",
     "parse_duration_s",
     "read_owner",
     "recovery_hint",
     "upgrade_database",
-    "valid_id",
 ]

@@ -74,7 +74,7 @@ class AdminOps:
     @classmethod
     def of(cls, manager: SessionManager) -> AdminOps:
         """Operations over a live manager (the server's); `close` leaves it open."""
-        return cls(manager.settings, manager.registry, lambda: manager, manager=manager, owns_manager=False)
+        return cls(manager.settings, manager.internals.registry, lambda: manager, manager=manager, owns_manager=False)
 
     @classmethod
     def open_home(cls, settings: Settings, load_manager: Callable[[], SessionManager] | None = None) -> AdminOps:
@@ -215,7 +215,7 @@ class AdminOps:
             "system_prompt": info.system_prompt,
             "transcript": _summary(messages),
             "model_fingerprint": info.model_fingerprint,
-            "model_fingerprint_matches": info.model_fingerprint == manager.engine.fingerprint,
+            "model_fingerprint_matches": info.model_fingerprint == manager.internals.engine.fingerprint,
             "last_ttft_s": detail.last_ttft_s,
             "cache_bytes": detail.cache_bytes,
             "base_tokens": detail.base_tokens,
@@ -352,7 +352,7 @@ class AdminOps:
         """Re-wrap every tenant's data key under a new master key (generated unless given)."""
         manager = self.manager
         key_id = manager.rotate_master_key(new_key)
-        return {"master_key_id": key_id, "from_env": manager.keys.master.from_env}
+        return {"master_key_id": key_id, "from_env": manager.internals.keys.master.from_env}
 
     def gc(self, *, dry_run: bool = False) -> Json:
         """Delete the implicit sessions and uncontinued forks whose idle TTL ran out
@@ -397,7 +397,7 @@ class AdminOps:
         """The live manager's retention (its clock, its sweeps' rules), else one over the
         database that loads a manager only to delete (caches in every tier go with a session)."""
         if self._manager is not None:
-            return self._manager.retention
+            return self._manager.internals.histories.retention
 
         def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:
             record = self.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
@@ -433,7 +433,7 @@ class AdminOps:
         """Where each session's cache is: the live manager's answer, else what the database says
         (on disk when a blob row names the session: what a manager adopts at start-up)."""
         if self._manager is not None:
-            return self._manager.registry.placement
+            return self._manager.internals.registry.placement
         rows = self.metadata.list_blobs(location=self.settings.disk_location())
         on_disk = {(b.tenant_id, b.session_id) for b in rows if b.session_id}
         return lambda tenant_id, session_id: "disk" if (tenant_id, session_id) in on_disk else None

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
 
 import torch
 from sqlalchemy import Engine as Database
@@ -68,14 +67,33 @@ from storage.replica_store import ReplicaStore
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class ApiRecords:
+    """What the HTTP APIs keep beside sessions: services of their own, handed to the faces
+    (`sessions.Services`) rather than reached through the manager."""
+
+    responses: ResponseRecords
+    conversations: ConversationRecords
+    idempotency: IdempotentRequests
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryParts:
+    """The parts that find sessions by posted histories, fork them, plan turns and expire them."""
+
+    history: HistoryStore
+    forks: Forks
+    door: TurnDoor
+    retention: Retention
+
+
+@dataclass(frozen=True, slots=True)
 class ManagerParts:
     """The objects of one manager (see the module docstring)."""
 
     settings: Settings
     database: Database
     metadata: MetadataStore
-    idempotency: IdempotentRequests
     engine: Engine
     owns_engine: bool
     """Whether `assemble` loaded the engine (closed with the parts) or was handed it (shared: it
@@ -95,12 +113,8 @@ class ManagerParts:
     tenants: Tenants
     catalogue: SessionCatalogue
     turns: TurnService
-    history: HistoryStore
-    forks: Forks
-    door: TurnDoor
-    retention: Retention
-    responses: ResponseRecords
-    conversations: ConversationRecords
+    histories: HistoryParts
+    records: ApiRecords
 
 
 def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
@@ -192,15 +206,14 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     tenants, catalogue, turns = _services(
         settings, database, keys, engine, template, tiers, runner, transcripts, registry, replicas, metrics, disk_store
     )
+    idempotency = IdempotentRequests(
+        database, incarnation=lambda: replicas.incarnation, live_within_s=replica_config.ownership_lease_s
+    )
+    records = _api_records(database, catalogue, idempotency)
     parts = ManagerParts(
         settings=settings,
         database=database,
         metadata=metadata,
-        idempotency=IdempotentRequests(
-            database,
-            incarnation=lambda: replicas.incarnation,
-            live_within_s=replica_config.ownership_lease_s,
-        ),
         engine=engine,
         owns_engine=owns_engine,
         context_budget_tokens=budget,
@@ -218,7 +231,10 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         tenants=tenants,
         catalogue=catalogue,
         turns=turns,
-        **_history_parts(settings, database, replicas, registry, tiers, transcripts, template, metrics, catalogue),
+        histories=_history_parts(
+            settings, database, replicas, registry, tiers, transcripts, template, metrics, catalogue, records
+        ),
+        records=records,
     )
     if replicas.replica_id is not None:
         invalidate = _local_invalidation(transcripts, tiers)
@@ -314,9 +330,9 @@ def _history_parts(
     template: ChatTemplate,
     metrics: Metrics,
     catalogue: SessionCatalogue,
-) -> dict[str, Any]:
-    """The parts that find sessions by posted histories, fork them, expire them, and the stored
-    responses that point into them."""
+    records: ApiRecords,
+) -> HistoryParts:
+    """The parts that find sessions by posted histories, fork them, plan turns, expire them."""
     history = HistoryStore(database)
     forks = Forks(
         registry=registry,
@@ -332,11 +348,10 @@ def _history_parts(
         record = registry.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
         return record.last_active_at if record is not None else None
 
-    records = _response_parts(database, registry, catalogue)
-    return {
-        "history": history,
-        "forks": forks,
-        "door": TurnDoor(
+    return HistoryParts(
+        history=history,
+        forks=forks,
+        door=TurnDoor(
             history=history,
             registry=registry,
             tiers=tiers,
@@ -344,24 +359,24 @@ def _history_parts(
             fork_histories=settings.fork_sessions,
             open_session=catalogue.open,
             delete_session=catalogue.delete,
-            responses=records["responses"],
-            conversations=records["conversations"],
+            responses=records.responses,
+            conversations=records.conversations,
             replicas=replicas,
             metrics=metrics,
         ),
-        "retention": Retention(
+        retention=Retention(
             history=history,
             delete=catalogue.delete,
             last_active=last_active,
             default_retention_s=settings.implicit_retention_s,
             hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
         ),
-        **records,
-    }
+    )
 
 
-def _response_parts(database: Database, registry: Registry, catalogue: SessionCatalogue) -> dict[str, Any]:
-    """Stored responses and conversations: each may keep a session the other let go of."""
+def _api_records(database: Database, catalogue: SessionCatalogue, idempotency: IdempotentRequests) -> ApiRecords:
+    """Stored responses and conversations (each may keep a session the other let go of), and the
+    idempotency keys of the turn routes."""
     conversations = ConversationRecords(
         database, release_session=lambda tenant_id, session_id: responses.release_session(tenant_id, session_id)
     )
@@ -370,7 +385,7 @@ def _response_parts(database: Database, registry: Registry, catalogue: SessionCa
         delete_session=catalogue.delete,
         held_by_conversation=conversations.holds,
     )
-    return {"responses": responses, "conversations": conversations}
+    return ApiRecords(responses, conversations, idempotency)
 
 
 @contextmanager

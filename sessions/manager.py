@@ -16,16 +16,20 @@ the work, one job each, and every method here checks its arguments and hands ove
     tenants     sessions.tenants.Tenants             tenants and their keys
     catalogue   sessions.catalogue.SessionCatalogue  sessions: open, delete, pin, inspect, restore, evict
     turns       sessions.turn_service.TurnService    turns: run, store, commit
+    door        sessions.turn_door.TurnDoor          where a turn runs: continue, fork or new, here or not
     replicas    sessions.replicas.Replicas           this process's part among replicas
-    responses   sessions.responses.ResponseRecords   stored responses (Responses API): points in sessions
-    conversations sessions.conversations.ConversationRecords  conversations: sessions with durable ids
     registry    sessions.registry.Registry           records and lookups (torch-free)
+
+The HTTP APIs' records (stored responses, conversations, idempotency keys) and the metrics are
+services of their own beside the manager: `open_services` hands them to the faces as `Services`.
+Tests look inside through `SessionManager.internals` only.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, Unpack
 
 from cache.ids import SessionId
@@ -33,6 +37,7 @@ from cache.tiers import CacheKey
 from sessions.assembly import ManagerParts, assemble, close_parts
 from sessions.cancellation import CancelToken
 from sessions.catalogue import MAX_TITLE_CHARS, SessionDetail
+from sessions.conversations import ConversationRecords
 from sessions.engine import Engine
 from sessions.errors import (
     BackendUnavailable,
@@ -43,9 +48,12 @@ from sessions.errors import (
     SessionNotFound,
     TenantNotFound,
 )
+from sessions.idempotency import IdempotentRequests
+from sessions.metrics import Metrics
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.replicas.routing import Route
+from sessions.responses import ResponseRecords
 from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
 from sessions.settings import Settings
 from sessions.turn_door import PlannedTurn
@@ -57,7 +65,7 @@ from storage.keyring import BadMasterKey, KeyRingError
 from storage.redis_store import RedisUnavailable
 from storage.replica_store import ReplicaIdInUse
 
-__all__ = ["MAX_MESSAGE_CHARS", "MAX_TITLE_CHARS", "SessionManager", "TenantRef"]
+__all__ = ["MAX_MESSAGE_CHARS", "MAX_TITLE_CHARS", "Services", "SessionManager", "TenantRef", "open_services"]
 
 CLOSE_LEASE_WAIT_S = 30.0
 """How long `close()` waits for cancelled turns to release their sessions."""
@@ -97,27 +105,6 @@ class SessionManager:
             raise
         self._closed = False
         self._sweeper: RetentionSweeper | None = None
-        parts = self._parts
-        # The parts operators and tests reach for by name.
-        self.engine = parts.engine
-        self.metadata = parts.metadata
-        self.idempotency = parts.idempotency
-        self.responses = parts.responses
-        self.conversations = parts.conversations
-        self.keys = parts.keys
-        self.metrics = parts.metrics
-        self.tiers = parts.tiers
-        self.template = parts.template
-        self.runner = parts.runner
-        self.registry = parts.registry
-        self.retention = parts.retention
-        self.sealer = parts.sealer
-        self.disk_store = parts.disk_store
-        self.shared_store = parts.shared_store
-        self.context_budget_tokens = parts.context_budget_tokens
-        self.replica_id = parts.replicas.replica_id
-        self.ownership = parts.replicas.ownership
-        self._db = parts.database
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -155,6 +142,22 @@ class SessionManager:
     @property
     def model_name(self) -> str:
         return self._parts.engine.loaded.name
+
+    @property
+    def context_budget_tokens(self) -> int:
+        """The tokens of a session's context window (`Settings.window_tokens`, capped by the model)."""
+        return self._parts.context_budget_tokens
+
+    @property
+    def replica_id(self) -> str | None:
+        """This process's replica id; `None` for a single process."""
+        return self._parts.replicas.replica_id
+
+    @property
+    def internals(self) -> ManagerParts:
+        """The composition root's parts (`sessions.assembly`), for tests and benchmarks that look
+        inside; no face reaches them (`tests/test_package_shape.py`)."""
+        return self._parts
 
     # -- tenants -------------------------------------------------------------------------------
 
@@ -241,7 +244,7 @@ class SessionManager:
             InvalidInput: if `at_turn` is not between 0 and the session's turn count.
         """
         self._check_open()
-        return self._parts.forks.fork(self._parts.registry.tenant_id(tenant), session_id, at_turn).session_id
+        return self._parts.histories.forks.fork(self._parts.registry.tenant_id(tenant), session_id, at_turn).session_id
 
     def find_sessions_by_history(
         self, tenant: TenantRef, system_prompt: str | None, turns: Sequence[tuple[str, str]]
@@ -417,7 +420,7 @@ class SessionManager:
             InvalidInput: a posted system prompt or history that is not the named session's.
         """
         self._check_open()
-        return self._parts.door.plan(self._parts.registry.tenant_id(tenant), target, forwarded=forwarded)
+        return self._parts.histories.door.plan(self._parts.registry.tenant_id(tenant), target, forwarded=forwarded)
 
     def run_turn(
         self,
@@ -441,7 +444,7 @@ class SessionManager:
         options = TurnOptions.of(options, keywords)
         _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
-        turns, door = self._parts.turns, self._parts.door
+        turns, door = self._parts.turns, self._parts.histories.door
 
         def start(session_id: SessionId, expected_turns: int | None) -> Generator[str | Reply, None, None]:
             if cancel is not None:
@@ -458,13 +461,13 @@ class SessionManager:
     def expire_sessions(self) -> int:
         """Delete the implicit sessions and uncontinued forks whose idle TTL ran out
         (`sessions.retention`); `chatkv serve` does it every few minutes. Returns how many."""
-        return len(self._parts.retention.expire())
+        return len(self._parts.histories.retention.expire())
 
     def start_retention_sweeps(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
         """Expire sessions now and every `interval_s` in a background thread until `close()`
         (`chatkv serve` does). A second call changes nothing."""
         if self._sweeper is None:
-            self._sweeper = RetentionSweeper(self._parts.retention, interval_s)
+            self._sweeper = RetentionSweeper(self._parts.histories.retention, interval_s)
 
     def set_tenant_retention(self, tenant: TenantRef, retention_s: float | None) -> None:
         """The tenant's own idle TTL of implicit sessions and forks, in seconds (`None`: the
@@ -475,7 +478,7 @@ class SessionManager:
         """
         retention_s = check_retention_s(retention_s)
         tenant_id = self._parts.registry.tenant_id(tenant)
-        if not self._parts.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
+        if not self._parts.histories.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
             raise TenantNotFound(str(tenant_id))
 
     # -- replicas ------------------------------------------------------------------------------
@@ -498,7 +501,7 @@ class SessionManager:
         return self._routed(key, forwarded)
 
     def _routed(self, key: CacheKey | None, forwarded: bool) -> Route:
-        return self._parts.door.route(key, forwarded)
+        return self._parts.histories.door.route(key, forwarded)
 
     def forward_failed(self, route: Route, error: str) -> Route:
         """A forward that never reached `route.url` (`error`: why, one line): the turn runs here
@@ -531,6 +534,32 @@ class SessionManager:
             "model_fingerprint": parts.engine.fingerprint,
             "context_budget_tokens": parts.context_budget_tokens,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What the composition root hands the faces (the HTTP API, the chat page, the CLI): the
+    manager, and the services beside it that the faces take as they are, never through the
+    manager. They live as long as the manager: `manager.close()` ends them all."""
+
+    manager: SessionManager
+    responses: ResponseRecords
+    """Stored responses of the Responses API: points in sessions."""
+    conversations: ConversationRecords
+    """Conversations of the Conversations API: sessions with durable ids and items."""
+    idempotency: IdempotentRequests
+    """`Idempotency-Key`s of the turn routes and their recorded answers."""
+    metrics: Metrics
+    """The Prometheus series `/metrics` renders."""
+
+
+def open_services(settings: Settings | None = None, *, engine: Engine | None = None) -> Services:
+    """A `SessionManager` on `settings` (see it for the arguments and errors) with the services
+    its composition root built beside it."""
+    manager = SessionManager(settings, engine=engine)
+    parts = manager.internals
+    records = parts.records
+    return Services(manager, records.responses, records.conversations, records.idempotency, parts.metrics)
 
 
 def _check_message(message: str) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from app.cli.groups import CLIError, held_by_server
-from app.cli.home import domain_errors, home_dir, load_manager, settings_for
+from app.cli.home import domain_errors, home_dir, load_services, settings_for
 from app.cli.logs import LogFormat, LogLevel, configure_logging
 from sessions import HomeLockedError, check_unlocked
 
@@ -66,7 +66,9 @@ def serve_command(
         # The seconds before the model loads go to importing torch and transformers: say so.
         log.info("chatkv starting on %s:%d (home %s): importing torch and transformers", host, port, settings.home)
         with domain_errors():
-            serve(load_manager(settings), host=host, port=port, local=local, sockets=sockets, log_level=log_level.value)
+            serve(
+                load_services(settings), host=host, port=port, local=local, sockets=sockets, log_level=log_level.value
+            )
     except HomeLockedError as exc:  # a server took the home while the model loaded
         raise CLIError(held_by_server(exc), 2) from None
     except ListenError as exc:

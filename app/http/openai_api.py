@@ -73,6 +73,7 @@ from sessions import (
     InvalidInput,
     Replay,
     Reply,
+    Services,
     SessionManager,
     Tenant,
     TurnTarget,
@@ -120,10 +121,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
+def openai_router(services: Services, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
     """`/models` and `/chat/completions`, to be mounted under `/v1`; turns of sessions other
     replicas own go to them through `forwarder`."""
     # Over 60 lines: the routes are closures over `manager`, one short function each.
+    manager = services.manager
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["OpenAI-compatible"])
     started = int(time.time())
 
@@ -183,7 +185,7 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarde
             request,
             lambda hop: _decide(manager, body, tenant, x_session_id, forwarded=hop),
             lambda raw, cancel, decided: _complete(
-                manager, body, raw, tenant, x_session_id, idempotency_key, cancel, decided
+                services, body, raw, tenant, x_session_id, idempotency_key, cancel, decided
             ),
         )
 
@@ -205,7 +207,7 @@ def _decide(
 
 
 def _complete(
-    manager: SessionManager,
+    services: Services,
     body: ChatCompletionRequest,
     raw: bytes,
     tenant: Tenant,
@@ -218,8 +220,9 @@ def _complete(
     idempotency key, run the turn to its first piece (streamed) or to its end."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     guard = IdempotencyGuard(
-        manager, tenant, idempotency_key, "/v1/chat/completions", raw, target={SESSION_HEADER: x_session_id}
+        services.idempotency, tenant, idempotency_key, "/v1/chat/completions", raw, {SESSION_HEADER: x_session_id}
     )
+    manager = services.manager
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
     # A client that named the session gets its own name back.
     session = decided.plan.target.session

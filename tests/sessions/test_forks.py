@@ -62,8 +62,8 @@ def test_a_fork_reads_its_parent_where_it_is(tiny_manager: SessionManager, tier:
     manager.flush()
     manager.evict_session(tenant, parent, tier)
     fork = manager.fork(tenant, parent, 2)
-    assert manager.tiers.placement(key_of(tenant, parent)) == (
-        None if tier == "drop" else manager.tiers.placement(key_of(tenant, parent))
+    assert manager.internals.tiers.placement(key_of(tenant, parent)) == (
+        None if tier == "drop" else manager.internals.tiers.placement(key_of(tenant, parent))
     )
     expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
     reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)

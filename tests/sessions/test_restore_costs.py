@@ -30,7 +30,7 @@ def test_a_turn_recomputes_when_that_is_cheaper_and_restores_when_not(tmp_path: 
         tenant = manager.create_tenant("acme").id
         sid = manager.open_session(tenant, "You are terse.")
         manager.chat(tenant, sid, "Hello there.", max_new_tokens=8)
-        costs = manager.runner.preparer.costs
+        costs = manager.internals.runner.preparer.costs
         for _ in range(MIN_SAMPLES):  # a slow disk, a fast prefill
             costs.restored("disk", 100, 1.0)
             costs.prefilled(100, 0.01)
@@ -51,6 +51,6 @@ def test_a_turn_recomputes_when_that_is_cheaper_and_restores_when_not(tmp_path: 
         manager.evict_session(tenant, sid, "disk")
         again = manager.chat(tenant, sid, "Once more.", max_new_tokens=8)
         assert (again.stats.restored_from, again.stats.restore_choice) == ("disk", "restore")
-        counted = manager.metrics.render().decode()
+        counted = manager.internals.metrics.render().decode()
         assert 'chatkv_restore_choices_total{choice="recompute"} 1.0' in counted
         assert 'chatkv_restore_choices_total{choice="restore"} 1.0' in counted
