@@ -88,7 +88,7 @@ def capacity_run(
         for _ in range(sessions):
             sid = manager.open_session(tenant, system_prompt=system)
             reply = manager.chat(tenant, sid, message, max_new_tokens=FIRST_REPLY_TOKENS)
-            manager.flush()
+            manager.internals.tiers.flush()
             ids.append(sid)
             tokens.append(reply.stats.cache_tokens)
             base_tokens = len(manager.internals.template.system_prefix_ids(system))
@@ -141,7 +141,7 @@ def ttft_run(engine: Engine, args: Any, root: Any, share: bool, runs: int) -> di
         for _ in range(runs):
             sid = manager.open_session(tenant, system_prompt=system)
             replies.append(manager.chat(tenant, sid, message, max_new_tokens=4))
-            manager.flush()
+            manager.internals.tiers.flush()
     naive = [naive_first_token(engine, chat_messages(system, [], message)) for _ in range(runs)] if share else []
     return {
         "share_base": share,

@@ -74,7 +74,7 @@ class Session:
 
 def prepare(manager: SessionManager, count: int, args: argparse.Namespace, offset: int = 0) -> list[Session]:
     sessions = [Session(manager, offset + i, args) for i in range(count)]
-    manager.flush()
+    manager.internals.tiers.flush()
     return sessions
 
 

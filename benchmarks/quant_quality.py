@@ -91,7 +91,7 @@ def build(manager: SessionManager, tenant: Any, messages: list[str], reply_token
     assert cache is not None, "the session cache should be on the device"
     reply = manager.chat(tenant, sid, messages[-1], max_new_tokens=reply_tokens)
     prefill = manager.history(tenant, sid)[-2].token_ids  # the user message's prefilled ids
-    manager.flush()
+    manager.internals.tiers.flush()
     return Reference(cache, tuple(prefill), reply.token_ids, key)
 
 

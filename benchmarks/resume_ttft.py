@@ -105,13 +105,13 @@ def measure_in_process(engine: Engine, home: Path, args: argparse.Namespace, bui
     tenant, session_id = built["tenant"], built["session"]
     with open_manager(home, engine, args.model_cache_dir) as manager:
         warm = manager.chat(tenant, session_id, WARM_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
-        manager.flush()
+        manager.internals.tiers.flush()
         cache_bytes = None
         if path == "host":
             manager.evict_session(tenant, session_id, "host")
             cache_bytes = manager.stats()["tiers"]["host"]["bytes"]
         reply = manager.chat(tenant, session_id, NEXT_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
-        manager.flush()
+        manager.internals.tiers.flush()
     return _result(reply, cache_bytes, warm=warm, page_cache=None)
 
 

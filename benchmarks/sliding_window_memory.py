@@ -94,7 +94,7 @@ def measure(manager: SessionManager, engine: Engine, tokens: int, reference: Any
     """One conversation of about `tokens` tokens; its bytes per tier and a turn restored from each."""
     tenant = manager.create_tenant(f"t{secrets.token_hex(3)}").id
     sid = manager.open_session(tenant, SYSTEM)
-    key = manager.tiers_key(tenant, sid)
+    key = manager.internals.tiers_key(tenant, sid)
     first = user_message(engine, 0, tokens)
     past = [
         PastTurn(first, (reply := manager.chat(tenant, sid, first, max_new_tokens=REPLY_TOKENS)).text, reply.token_ids)
@@ -106,7 +106,7 @@ def measure(manager: SessionManager, engine: Engine, tokens: int, reference: Any
     exact = True
     for tier, message in zip(("device", "host", "disk", "redis"), FOLLOW_UPS, strict=True):
         if tier in ("host", "disk"):
-            manager.flush()
+            manager.internals.tiers.flush()
             manager.evict_session(tenant, sid, tier)
             out[f"{tier}_bytes"] = manager.internals.tiers.entry_bytes(key)
         elif tier == "redis":

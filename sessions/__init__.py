@@ -46,7 +46,6 @@ from sessions.errors import (
 from sessions.home import (
     ADMIN_TOKEN_FILE,
     HomeLock,
-    HomeLockedError,
     admin_token,
     check_unlocked,
     describe_owner,
@@ -54,9 +53,18 @@ from sessions.home import (
     recovery_hint,
 )
 from sessions.idempotency import Claimed, IdempotentRequests, InProgress, KeyReused, Replay
-from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
+from sessions.records import (
+    EVICT_TARGETS,
+    TIERS,
+    Message,
+    Reply,
+    RestoreResult,
+    RestoreSource,
+    SessionInfo,
+    Tenant,
+    TurnStats,
+)
 from sessions.registry import SESSION_NAME_RULE
-from sessions.responses import ResponseRecords
 from sessions.settings import Settings, default_home, parse_duration_s
 from sessions.turn_options import TurnOptions
 from sessions.turn_target import TurnPlan, TurnTarget
@@ -89,8 +97,10 @@ if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accep
 
 __all__ = [
     "ADMIN_TOKEN_FILE",
+    "EVICT_TARGETS",
     "MAX_MESSAGE_CHARS",
     "SESSION_NAME_RULE",
+    "TIERS",
     "AdminOps",
     "BackendUnavailable",
     "CancelToken",
@@ -102,11 +112,9 @@ __all__ = [
     "ConversationRecords",
     "ConversationTooLarge",
     "EngineStopped",
-    "FinishReason",
     "HistoryTooLong",
     "HomeLock",
     "HomeLocked",
-    "HomeLockedError",
     "IdempotentRequests",
     "InProgress",
     "InvalidInput",
@@ -123,7 +131,6 @@ __all__ = [
     "ReplicaRetired",
     "Reply",
     "ResponseNotFound",
-    "ResponseRecords",
     "RestoreResult",
     "RestoreSource",
     "Route",

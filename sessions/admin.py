@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from cache.ids import SessionId, TenantId
 from sessions.errors import InvalidInput, ReplicaNotFound, SessionNotFound, TenantNotFound
+from sessions.records import EVICT_TARGETS, TIERS
 from sessions.registry import Placement, Registry
 from sessions.retention import Retention, check_retention_s, expires_at
 from sessions.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL, MAX_DURATION_S, Settings
@@ -39,9 +40,6 @@ if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
     from sessions.manager import SessionManager
 
-TIERS = ("device", "host", "disk")
-"""`cache.tiers.Tier`'s values (not imported: `cache` imports torch)."""
-EVICT_TARGETS = ("host", "disk", "drop")
 OFFLINE_STATS_NOTE = "turn counters are kept by the running server (use --server)"
 SUMMARY_CHARS = 120
 
@@ -398,15 +396,10 @@ class AdminOps:
         database that loads a manager only to delete (caches in every tier go with a session)."""
         if self._manager is not None:
             return self._manager.internals.histories.retention
-
-        def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:
-            record = self.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
-            return None if record is None else record.last_active_at
-
         return Retention(
             history=HistoryStore(self.metadata.database),
             delete=lambda tenant_id, session_id: self.manager.delete_session(tenant_id, session_id),
-            last_active=last_active,
+            last_active=self.registry.last_active,
             default_retention_s=self.settings.implicit_retention_s,
         )
 

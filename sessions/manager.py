@@ -48,6 +48,7 @@ from sessions.errors import (
     SessionNotFound,
     TenantNotFound,
 )
+from sessions.home import HomeLock
 from sessions.idempotency import IdempotentRequests
 from sessions.metrics import Metrics
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
@@ -60,7 +61,6 @@ from sessions.turn_door import PlannedTurn
 from sessions.turn_options import TurnOptionKeywords, TurnOptions
 from sessions.turn_target import TurnPlan, TurnTarget
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
-from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import BadMasterKey, KeyRingError
 from storage.redis_store import RedisUnavailable
 from storage.replica_store import ReplicaIdInUse
@@ -96,8 +96,8 @@ class SessionManager:
         try:
             # Start-up migrates and reconciles the stores: never on a home another process owns.
             self._home_lock.acquire()
-        except HomeLockedError as exc:
-            raise HomeLocked.held_by(exc.holder, exc.owner.url, exc.recovery) from None
+        except HomeLocked as exc:
+            raise HomeLocked.held_by(exc.holder, exc.url, exc.recovery) from None
         try:
             self._parts: ManagerParts = _assemble(settings, engine)
         except BaseException:  # a failed start (bad model, bad settings) must not keep the home
@@ -124,10 +124,6 @@ class SessionManager:
             close_parts(self._parts, CLOSE_LEASE_WAIT_S)
         finally:
             self._home_lock.release()
-
-    def flush(self) -> None:
-        """Wait until the background write-back has stored every finished turn's cache on disk."""
-        self._parts.tiers.flush()
 
     def __enter__(self) -> SessionManager:
         return self
@@ -245,24 +241,6 @@ class SessionManager:
         """
         self._check_open()
         return self._parts.histories.forks.fork(self._parts.registry.tenant_id(tenant), session_id, at_turn).session_id
-
-    def find_sessions_by_history(
-        self, tenant: TenantRef, system_prompt: str | None, turns: Sequence[tuple[str, str]]
-    ) -> list[SessionId]:
-        """The tenant's sessions whose history is exactly `system_prompt` and `turns` (user text,
-        reply text as it was returned: `Reply.text`), most recently active first: one keyed query
-        on the history digest (`storage.history_digest`). Without turns there is nothing to reuse
-        and nothing is found. Sessions from before the digest existed are never found.
-
-        A found session may move on before its next turn: continue it with
-        `stream_chat(..., expected_turns=len(turns))`.
-        """
-        registry = self._parts.registry
-        return registry.find_by_history(registry.tenant_id(tenant), system_prompt, turns)
-
-    def tiers_key(self, tenant: TenantRef, session_id: str) -> CacheKey:
-        """The tier manager's key of a session (for operators and tests)."""
-        return CacheKey.for_session(self._parts.registry.tenant_id(tenant), SessionId(str(session_id)))
 
     def list_sessions(self, tenant: TenantRef | None = None) -> list[SessionInfo]:
         """The tenant's sessions, most recently active first (`None`: every tenant's, for operators)."""
@@ -498,9 +476,6 @@ class SessionManager:
         if session_id is not None:
             with contextlib.suppress(SessionNotFound):  # the turn itself makes it, or answers 404
                 key = CacheKey.for_session(tenant_id, SessionId(registry.session_record(tenant_id, session_id).id))
-        return self._routed(key, forwarded)
-
-    def _routed(self, key: CacheKey | None, forwarded: bool) -> Route:
         return self._parts.histories.door.route(key, forwarded)
 
     def forward_failed(self, route: Route, error: str) -> Route:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -18,12 +18,12 @@ from cache.budgets import TierUsage
 from cache.ids import TenantId
 from cache.tiers import LOCAL_TIERS, Tier
 from sessions.engine.loop import BUSY_WINDOW_S, LoopStats
+from sessions.records import RestoreSource
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
 _TO = ("host", "disk", "dropped")
-_FORK_SOURCES = ("device", "host", "disk", "redis", "rebuilt", "new")
 
 
 class _TierCollector(Collector):
@@ -270,7 +270,7 @@ class Metrics:
 
         queries = value("cache_queries", unit="tokens")
         moved = {f"{s.value}->{t}": value("evictions", source=s.value, target=t) for s in LOCAL_TIERS for t in _TO}
-        forks = {source: value("forks", source=source) for source in _FORK_SOURCES}
+        forks = {source: value("forks", source=source) for source in get_args(RestoreSource)}
         return {
             "tiers": {
                 t.value: {

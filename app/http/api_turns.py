@@ -275,10 +275,6 @@ def start_turn(manager: SessionManager, tenant: Tenant, decided: Decided, cancel
     return StartedTurn(turn.session_id, first, turn)
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass(frozen=True)
 class TurnAnswer:
     """How one turn-creating route answers; `answer_turn` does the rest, alike for every route.
@@ -296,7 +292,7 @@ class TurnAnswer:
     headers: Callable[[StartedTurn], dict[str, str]]
     completed: Callable[[StartedTurn, Reply], Any]
     frames: Callable[[StartedTurn], Iterator[str]] | None = None
-    ended: Callable[[], None] = _nothing
+    ended: Callable[[], None] = lambda: None
 
 
 def answer_turn(

@@ -142,7 +142,7 @@ def openai_router(services: Services, route_class: type[APIRoute], forwarder: Fo
     )
     def get_model(model: str) -> ModelCard:
         """The served model, if `model` is its id."""
-        _check_model(manager, model)
+        check_model(manager, model)
         return card()
 
     @router.post(
@@ -197,7 +197,7 @@ def _decide(
 ) -> Decided:
     """Check and read the request (refused here, before a forward) and plan its turn: on its named
     session, or on the session its posted history continues or forks (`sessions.turn_door`)."""
-    _check_model(manager, body.model)
+    check_model(manager, body.model)
     refuse_unsupported(body)
     options = turn_options(body)
     posted = parse_messages(body.messages)
@@ -222,11 +222,10 @@ def _complete(
     guard = IdempotencyGuard(
         services.idempotency, tenant, idempotency_key, "/v1/chat/completions", raw, {SESSION_HEADER: x_session_id}
     )
-    manager = services.manager
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
     # A client that named the session gets its own name back.
     session = decided.plan.target.session
-    head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
+    head = {"id": reply_id, "created": int(time.time()), "model": services.manager.model_name}
 
     def replayed(replay: Replay) -> Response:
         completion = ChatCompletion.model_validate_json(replay.response)
@@ -236,12 +235,12 @@ def _complete(
         return JSONResponse(completion.model_dump(), headers=headers)
 
     def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
-        completion = _completion(reply_id, manager.model_name, reply)
+        completion = _completion(reply_id, services.manager.model_name, reply)
         guard.complete(turn.session_id, completion)
         return completion.model_dump()
 
     return answer_turn(
-        manager,
+        services.manager,
         tenant,
         decided,
         cancel,
@@ -255,7 +254,8 @@ def _complete(
     )
 
 
-def _check_model(manager: SessionManager, model: str) -> None:
+def check_model(manager: SessionManager, model: str) -> None:
+    """Raises `ApiError` 404 `model_not_found` for a model this server does not serve."""
     if model != manager.model_name:
         raise ApiError(
             404,

@@ -53,6 +53,7 @@ from app.http.api_turns import (
     answer_turn,
 )
 from app.http.forwarding import Forwarder
+from app.http.openai_api import check_model
 from app.http.responses_items import (
     ResponseRequest,
     as_input_items,
@@ -201,13 +202,7 @@ def _decide(services: Services, body: ResponseRequest, tenant: Tenant, *, forwar
     """Check and read the request (refused here, before a forward or anything stored) and plan its
     turn (`sessions.turn_door`): after the previous response, in the conversation, or a new
     session holding the input's earlier turns."""
-    if body.model != services.manager.model_name:
-        raise ApiError(
-            404,
-            f"the model `{body.model}` does not exist; this server serves `{services.manager.model_name}`",
-            "model_not_found",
-            param="model",
-        )
+    check_model(services.manager, body.model)
     refuse_unsupported(body)
     check_metadata(body.metadata)
     options = turn_options(body)

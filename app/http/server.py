@@ -234,7 +234,7 @@ def serve(
             logger's handlers (`app.cli.logs.configure_logging`), not to a configuration of its own.
 
     Raises:
-        HomeLockedError: if another live server holds the same chatkv home.
+        HomeLocked: if another live server holds the same chatkv home.
         ListenError: if the port cannot be bound, or the server did not start.
     """
     # Over 60 lines: start-up and shutdown are one sequence of steps whose order matters (the

@@ -896,7 +896,7 @@ def test_native_sessions_create_list_get_message_prefetch_delete(server: Server)
     ]
     assert detail["messages"][1]["tokens"] == 4 and detail["tier"] == "device"
 
-    server.manager.flush()
+    server.manager.internals.tiers.flush()
     assert server.manager.evict_session("acme", sid, "disk") == "disk"
     prefetch = server.post(f"/sessions/{sid}/prefetch")
     assert (prefetch.status_code, prefetch.json()) == (

@@ -116,7 +116,7 @@ def test_stats_count_the_write_back_copies_on_disk_apart_from_the_sessions_place
     tenant = served.create_tenant("acme")
     for _ in range(2):
         served.chat(tenant, served.open_session(tenant, SYSTEM), "Hello", max_new_tokens=4)
-    served.flush()  # the write-back stored both caches on disk; both stay placed on the device
+    served.internals.tiers.flush()  # the write-back stored both caches on disk; both stay placed on the device
     stats = cli.json(*SERVER, "stats")
     disk, device = stats["tiers"]["disk"], stats["tiers"]["device"]
     assert (device["sessions"], device["copies"]) == (2, 0)

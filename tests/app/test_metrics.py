@@ -87,7 +87,7 @@ def test_evictions_restores_and_integrity_failures(client: TestClient, tiny_mana
     tenant = tiny_manager.create_tenant("acme")
     sid = tiny_manager.open_session(tenant, system_prompt="You are terse.")
     tiny_manager.chat(tenant, sid, "Hello", max_new_tokens=6)
-    tiny_manager.flush()  # the write-back stored this version: the eviction goes straight to disk
+    tiny_manager.internals.tiers.flush()  # the write-back stored this version: the eviction goes straight to disk
     before = scrape(client)
     evicted = client.post(
         f"/admin/sessions/{sid}/evict",
@@ -153,7 +153,7 @@ def test_prompt_tokens_from_cache_and_prefilled_and_forks_by_source(
             replies[tenant.id] = [manager.chat(tenant, sid, f"Turn {t}", max_new_tokens=4) for t in range(turns)]
         acme = manager.get_tenant("acme").id
         parent = manager.list_sessions(acme)[0].id
-        manager.flush()
+        manager.internals.tiers.flush()
         manager.evict_session(acme, parent, "disk")
         fork = manager.fork(acme, parent, 1)
         replies[acme].append(manager.chat(acme, fork, "Elsewhere", max_new_tokens=4))

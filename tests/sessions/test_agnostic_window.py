@@ -32,7 +32,7 @@ def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionMana
 
 
 def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.internals.tiers.peek(manager.tiers_key(tenant, sid))
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     return cache
 

@@ -49,7 +49,7 @@ def evicted_session(home: Path, engine: Engine) -> str:
 
 
 def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.internals.tiers.peek(manager.tiers_key(tenant, sid))
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     return cache
 
@@ -260,7 +260,7 @@ def test_a_version_1_blob_sealed_before_the_upgrade_still_opens(tmp_path: Path, 
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         manager.chat(tenant, sid, MESSAGES[0], max_new_tokens=8)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         cache = cache_of(manager, tenant.id, sid)
         tensors, header = session_cache_to_tensors(cache)
         header = {**header, "format_version": 1, "model_fingerprint": tiny_engine.fingerprint}

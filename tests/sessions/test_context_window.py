@@ -54,7 +54,7 @@ def test_conversation_of_100k_tokens_stays_within_a_small_window(tmp_path: Path,
     with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=budget), engine=tiny_engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="You keep answers short.")
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         message = "tell me a long story about " + "the sea and the sky " * 70  # ~ 400 tokens a turn
         total = 0
         turns = 0
@@ -79,7 +79,7 @@ def test_long_system_prompt_stays_in_the_context_of_every_reply(tmp_path: Path, 
         assert 1400 <= len(system_ids) <= 1700
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=system_prompt)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         demoted = 0
         for turn in range(12):
             reply = manager.chat(tenant, sid, f"question {turn}: " + "details " * 40, max_new_tokens=16)
@@ -136,7 +136,7 @@ def test_reprefill_mode_reply_after_windowing_equals_a_fresh_prefill_of_base_and
     with SessionManager(settings, engine=engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="You are a concise assistant.")
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         windowed = 0
         for message in ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city.", "Name a tree."]:
             before = manager.internals.tiers.peek(key)
@@ -169,7 +169,7 @@ def test_model_with_a_non_composable_rope_uses_the_reprefill_path(tmp_path: Path
             for i in range(6)
         )
         assert demoted > 0
-        cache = manager.internals.tiers.peek(manager.tiers_key(tenant, sid))
+        cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
         assert cache is not None and cache.total_tokens <= 120
 
 
@@ -244,7 +244,7 @@ def test_partial_rotary_model_keeps_chatting_through_the_window_with_exact_first
     with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=120), engine=engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="Be brief.")
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         windowed = 0
         for turn in range(8):
             reply = manager.chat(tenant, sid, f"message {turn}", max_new_tokens=8)

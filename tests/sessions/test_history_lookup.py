@@ -20,11 +20,11 @@ def test_a_session_is_found_by_its_exact_history_and_only_by_its_tenant(tiny_man
     sid = manager.open_session(acme, "Be terse.")
     first = manager.chat(acme, sid, "Hello", max_new_tokens=4)
     history = [("Hello", first.text)]
-    assert manager.find_sessions_by_history(acme, "Be terse.", history) == [sid]
-    assert manager.find_sessions_by_history(beta, "Be terse.", history) == []
-    assert manager.find_sessions_by_history(acme, None, history) == []
-    assert manager.find_sessions_by_history(acme, "Be terse.", [("Hello", first.text + " ")]) == []
-    assert manager.find_sessions_by_history(acme, "Be terse.", []) == []  # nothing to reuse
+    assert manager.internals.registry.find_by_history(acme.id, "Be terse.", history) == [sid]
+    assert manager.internals.registry.find_by_history(beta.id, "Be terse.", history) == []
+    assert manager.internals.registry.find_by_history(acme.id, None, history) == []
+    assert manager.internals.registry.find_by_history(acme.id, "Be terse.", [("Hello", first.text + " ")]) == []
+    assert manager.internals.registry.find_by_history(acme.id, "Be terse.", []) == []  # nothing to reuse
 
 
 def test_a_found_session_that_moved_on_is_not_continued(tiny_manager: SessionManager) -> None:
@@ -43,7 +43,7 @@ def test_a_session_started_from_a_posted_history_prefills_it_once(tiny_manager: 
     tenant = manager.create_tenant("acme")
     posted = [("What is 2+2?", "4"), ("And 3+3?", "")]
     sid = manager.open_session(tenant, "Be terse.", history=posted)
-    assert manager.find_sessions_by_history(tenant, "Be terse.", posted) == [sid]
+    assert manager.internals.registry.find_by_history(tenant.id, "Be terse.", posted) == [sid]
     history = manager.history(tenant, sid)
     assert [(m.role, m.text) for m in history] == [
         ("user", "What is 2+2?"),

@@ -111,7 +111,7 @@ def test_message_longer_than_the_context_raises_context_too_long_and_stores_noth
     sid = tiny_manager.open_session(tenant)
     first = tiny_manager.chat(tenant, sid, "hello", max_new_tokens=4)
     before = tiny_manager.session_info(tenant, sid)
-    cache_before = tiny_manager.internals.tiers.peek(tiny_manager.tiers_key(tenant, sid))
+    cache_before = tiny_manager.internals.tiers.peek(tiny_manager.internals.tiers_key(tenant, sid))
     huge = "word " * (tiny_manager.context_budget_tokens + 10)
     with pytest.raises(ContextTooLong) as error:
         tiny_manager.chat(tenant, sid, huge, max_new_tokens=4)
@@ -126,7 +126,7 @@ def test_message_longer_than_the_context_raises_context_too_long_and_stores_noth
             2,
         )
     )
-    assert tiny_manager.internals.tiers.peek(tiny_manager.tiers_key(tenant, sid)) is cache_before
+    assert tiny_manager.internals.tiers.peek(tiny_manager.internals.tiers_key(tenant, sid)) is cache_before
     again = tiny_manager.chat(tenant, sid, "still there?", max_new_tokens=4)
     assert again.stats.restored_from == "device"
     assert again.stats.reused_tokens == first.stats.cache_tokens
@@ -176,7 +176,7 @@ def test_deleted_session_is_gone_everywhere(tiny_manager: SessionManager) -> Non
     tiny_manager.delete_session(tenant, sid)
     with pytest.raises(SessionNotFound):
         tiny_manager.history(tenant, sid)
-    assert tiny_manager.internals.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
+    assert tiny_manager.internals.tiers.placement(tiny_manager.internals.tiers_key(tenant, sid)) is None
     with pytest.raises(SessionNotFound):
         tiny_manager.delete_session(tenant, sid)
 
@@ -368,7 +368,7 @@ def test_a_session_deleted_while_its_turn_is_being_recorded_is_serialised_with_i
     assert reply.stats.restored_from == "device"
     with pytest.raises(SessionNotFound):
         tiny_manager.history(tenant, sid)
-    assert tiny_manager.internals.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
+    assert tiny_manager.internals.tiers.placement(tiny_manager.internals.tiers_key(tenant, sid)) is None
 
 
 def test_a_turn_whose_transcript_left_the_bounded_cache_is_still_recorded_in_memory(

@@ -25,7 +25,7 @@ def test_offloaded_turn_layers_are_stored_quantised_and_the_base_exact(
         sid = manager.open_session(tenant, system_prompt="System prompt " * 10)
         for turn in range(3):
             manager.chat(tenant, sid, f"message {turn} " + "words " * 30, max_new_tokens=8)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         hot = manager.internals.tiers.peek(key)
         assert hot is not None
         assert manager.evict_session(tenant, sid, "host") == "host"
@@ -53,7 +53,7 @@ def test_a_sealed_cache_of_many_short_turns_fits_the_payload_bound_of_its_tokens
         sid = manager.open_session(tenant, system_prompt="Be brief.")
         for turn in range(12):  # short turns: the layer table's largest share per token
             manager.chat(tenant, sid, f"hi {turn}", max_new_tokens=1)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         cache = manager.internals.tiers.peek(key)
         assert cache is not None
         payload_bytes = ChunkedHeader.parse(manager.internals.sealer.seal_session(key, cache)).payload_bytes

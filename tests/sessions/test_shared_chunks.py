@@ -66,7 +66,7 @@ def publish(
         tenant = first.create_tenant("acme").id
         session, other = first.open_session(tenant, SYSTEM), first.open_session(tenant, SYSTEM)
         first.chat(tenant, session, MESSAGES[0], max_new_tokens=TOKENS)
-        first.flush()  # its write-back published the first turn's cache
+        first.internals.tiers.flush()  # its write-back published the first turn's cache
         older = [client.get(name) or b"" for name in chunk_names(client, redis_of(first), key_of(tenant, session))]
         for message in MESSAGES[1:]:
             first.chat(tenant, session, message, max_new_tokens=TOKENS)

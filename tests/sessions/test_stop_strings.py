@@ -119,8 +119,8 @@ def test_a_stop_string_ends_the_turn_early_and_the_turn_stores_the_reply_as_retu
     assert (user.text, assistant.text, assistant.token_ids) == ("Hello", reply.text, returned_ids)
     assert reply.stored_text == reply.text
     # The session is found by the history its client saw: the reply as returned.
-    assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", reply.text)]) == [sid]
-    assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", generated)]) == []
+    assert manager.internals.registry.find_by_history(tenant.id, "Be terse.", [("Hello", reply.text)]) == [sid]
+    assert manager.internals.registry.find_by_history(tenant.id, "Be terse.", [("Hello", generated)]) == []
 
 
 @pytest.mark.parametrize(("inside_a_token", "restored_from"), [(False, "device"), (True, "rebuilt")])
@@ -215,7 +215,9 @@ def test_after_a_stop_string_the_next_turn_continues_an_exact_cache(real_manager
     past = [PastTurn(first, cut.text, stored.token_ids)]
     conversation = manager.internals.template.conversation(system, past, second)
     assert list(reply.token_ids) == greedy_from_scratch(manager.internals.engine, list(conversation.token_ids), 20)
-    assert manager.find_sessions_by_history(tenant, system, [(first, cut.text), (second, reply.text)]) == [sid]
+    assert manager.internals.registry.find_by_history(tenant.id, system, [(first, cut.text), (second, reply.text)]) == [
+        sid
+    ]
 
 
 SYSTEM = "You are a helpful assistant."

@@ -108,7 +108,7 @@ def test_expiry_removes_the_cache_from_every_tier(db_url: str, tmp_path: Path, t
     with open_manager(tmp_path / "home", tiny_engine, db_url) as manager:
         tenant = manager.create_tenant("acme").id
         placed = {tier: implicit_session(manager, tenant, f"Hello, {tier}") for tier in ("device", "host", "disk")}
-        manager.flush()  # every cache is on disk as well now (write-back)
+        manager.internals.tiers.flush()  # every cache is on disk as well now (write-back)
         manager.evict_session(tenant, placed["host"], "host")
         manager.evict_session(tenant, placed["disk"], "disk")
         assert {tier: manager.session_info(tenant, sid).tier for tier, sid in placed.items()} == {
@@ -139,7 +139,7 @@ def test_expiry_removes_the_shared_redis_copy(
     with open_manager(tmp_path / "home", tiny_engine, db_url, redis_url=redis_url, redis_prefix=redis_prefix) as m:
         tenant = m.create_tenant("acme").id
         sid = implicit_session(m, tenant, "Hello")
-        m.flush()
+        m.internals.tiers.flush()
         assert m.internals.shared_store is not None and m.internals.shared_store.contains(key_of(tenant, sid))
         m.internals.histories.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
         assert m.expire_sessions() == 1
