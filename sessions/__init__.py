@@ -1,8 +1,9 @@
 """chatkv's public API: `SessionManager`, its `Settings`, the records it returns and its errors, and
-what the faces (`app/`: CLI, chat page, HTTP API) need beside them. `app/` imports from here only
+what the faces (`app/`: CLI, chat page, HTTP API) need beside them: `open_services` hands them
+the manager with the services beside it (`Services`). `app/` imports from here only
 (`from sessions import ...`); nothing under `sessions.` is its door.
 
-`SessionManager`, `SessionDetail`, `PlannedTurn` and `Route` (and with them torch and
+`SessionManager`, `Services`, `open_services`, `SessionDetail`, `PlannedTurn` and `Route` (and torch and
 transformers) are imported on first use, so a tool that only needs settings, records, error types
 or the admin operations (the admin CLI, offline or talking to a server) starts fast.
 """

@@ -141,7 +141,7 @@ class SessionManager:
 
     @property
     def context_budget_tokens(self) -> int:
-        """The tokens of a session's context window (`Settings.window_tokens`, capped by the model)."""
+        """A session's context window in tokens (`Settings.context_budget_tokens`, or a share of the model's)."""
         return self._parts.context_budget_tokens
 
     @property
