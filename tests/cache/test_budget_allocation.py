@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cache.attention_scores import ObservationWindow, QueryLog
 from cache.budget_allocation import ALLOCATIONS, head_budgets, kept_own_mask, layer_budgets
+from cache.session_cache import SessionCache
 from cache.token_eviction import evict_by_scores, evictable_tokens
 from tests.cache.helpers import HEADS, LAYERS, make_cache
+from tests.cache.test_sliding_layers import cache_after, marked
 
 
-def random_scores(cache, seed: int = 5) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def random_scores(cache: SessionCache, seed: int = 5) -> torch.Tensor:
     return torch.rand(LAYERS, HEADS, cache.total_tokens, generator=torch.Generator().manual_seed(seed))
 
 
@@ -100,3 +103,30 @@ def test_a_bad_allocation_or_count_is_a_value_error() -> None:
         kept_own_mask(cache, scores[:, :, 1:], 1, 2, "per_head")
     with pytest.raises(ValueError, match="beta"):
         layer_budgets(4, 2, 5, beta=0.5)
+
+
+@pytest.mark.parametrize("observer", [ObservationWindow, QueryLog])
+def test_a_sliding_layer_is_never_observed_or_scored_its_window_is_its_budget(observer: type) -> None:
+    cache = cache_after([2, 5, 6])  # model layer 0 full, model layer 1 a sliding window of 4
+    working = cache.to_working_cache(3)
+    full, sliding = working.prealloc_layers
+    with observer(working, 2) as watching:
+        assert full.query_observer is not None and sliding.query_observer is None
+        full.update(marked(15, 16), marked(15, 16))
+        full.query_observer(marked(15, 16), None)
+    assert full.query_observer is None
+    scores = (
+        watching.scores(cache.total_tokens) if observer is ObservationWindow else torch.stack(watching.turn_scores())
+    )
+    assert scores.shape[0] == 1  # one row: the full layer only
+
+
+@pytest.mark.parametrize("allocation", ALLOCATIONS)
+def test_allocations_cover_full_layers_only_and_leave_a_sliding_window_whole(allocation: str) -> None:
+    cache = cache_after([2, 5, 6])
+    scores = torch.rand(1, 1, cache.total_tokens, generator=torch.Generator().manual_seed(4))
+    mask = kept_own_mask(cache, scores, 4, 2, allocation)
+    assert mask.shape == (1, 1, cache.own_tokens) and int(mask.sum()) == cache.own_tokens - 4
+    evicted = evict_by_scores(cache, scores, 4, 2)
+    assert evicted.own_tokens == cache.own_tokens - 4
+    assert torch.equal(evicted.own_keys[1], cache.own_keys[1])  # the window: never scored, never evicted
