@@ -25,6 +25,7 @@ The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ class ObservationWindow:
         self._queries: list[torch.Tensor | None] = [None] * len(self._layers)
         self._scaling: float | None = None
 
-    def __enter__(self) -> ObservationWindow:
+    def __enter__(self) -> Self:
         for index, layer in enumerate(self._layers):
             if layer.window is None:
                 layer.query_observer = self._observer(index)
