@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def chat_command(
     ctx: typer.Context,
     tenant: TenantOption,
-    session: Annotated[str | None, typer.Option(help="Continue this session, by id or name (default: a new one).")] = None,
+    session: Annotated[str | None, typer.Option(help="Continue this session (id or name; default: a new one).")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt of the new session.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply.")] = 256,
 ) -> None:
