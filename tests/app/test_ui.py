@@ -389,8 +389,7 @@ def test_a_failed_first_turn_deletes_the_session_it_started(tiny_manager: Sessio
     ui = ChatUI(tiny_manager, local=True)
     state = ui.on_load(ViewState()).state
     views = _send(ui, state, "hi", max_new_tokens=100_000)
-    started = views[0].state.session_id
-    assert started is not None and _choice_ids(views[0]) == [started]
+    assert views[0].state.session_id is not None  # made by the turn's door, then deleted with it
     failed = views[-1]
     assert "message too long" in failed.error_line
     assert failed.state == state  # no session open
@@ -763,6 +762,13 @@ def test_bad_edits_and_regenerations_are_one_line_and_store_nothing(tiny_manager
     assert failed[-1].message["interactive"] is True and failed[-1].stop_button["visible"] is False
     assert [info.id for info in tiny_manager.list_sessions(LOCAL_TENANT)] == [parent]
     assert len(tiny_manager.history(LOCAL_TENANT, parent)) == 2
+
+    # The session deleted meanwhile (in another tab): refused before a fork is made, in one line.
+    tiny_manager.delete_session(LOCAL_TENANT, parent)
+    [gone] = _regenerate(ui, state)
+    assert gone.error_line == error_html(f"session not found: {parent}")
+    assert gone.state == state and gone.chatbot == done.chatbot
+    assert tiny_manager.list_sessions(LOCAL_TENANT) == []
 
 
 def test_stopping_a_regeneration_discards_its_fork(tiny_manager: SessionManager) -> None:
