@@ -343,8 +343,8 @@ class ChatUI:
             yield undo(error_line="", reply_note=note_html(stopped_note, kind="stopped"))
         elif turn.reply is None:
             yield undo(error_line=error_html(failure_message(turn.failure)))
-        else:
-            yield self._after_turn(state, tenant, turn.session_id, turn.text, turn.reply)
+        else:  # a stored turn had its session
+            yield self._after_turn(state, tenant, str(turn.session_id), turn.text, turn.reply)
 
     def stop(self, state: ViewState) -> dict[str, Any]:
         """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
