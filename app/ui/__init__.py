@@ -120,8 +120,8 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
     replaced), `message`, `send`, `stop` (shown while a reply streams), `chat-error`,
     `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`, `prefill_tokens`,
     `reused_tokens`, `restored_from` (its `data-value` is the `TurnStats` value: new, device,
-    host, disk or rebuilt), `restore_ms` (only for host and disk), `decode_tokens_per_s`,
-    `context_tokens`) and `stats-table`.
+    host, disk, redis or rebuilt), `restore_ms` (only for host, disk and redis),
+    `decode_tokens_per_s`, `context_tokens`) and `stats-table`.
     """
     # Over 60 lines: Gradio declares a page as one block of components and their events; split,
     # the pieces would only pass the components to each other.

@@ -31,8 +31,9 @@ from app.ui.forks import (
     NOTHING_TO_REGENERATE,
     REPLY_NOT_EDITABLE,
 )
-from app.ui.render import error_html, note_html
+from app.ui.render import error_html, note_html, stats_html, stats_row
 from app.ui.sessions import ago
+from sessions import TurnStats
 from sessions.manager import SessionManager
 from sessions.validation import MAX_MESSAGE_CHARS
 
@@ -456,6 +457,21 @@ def test_stats_say_where_the_cache_came_from(tiny_manager: SessionManager) -> No
     restore_ms = float(_stat(three, "restore_ms"))
     assert restore_ms > 0 and three.stats_table[-1][4:6] == ["disk", restore_ms]
     assert [row[0] for row in three.stats_table] == [1, 2]
+
+
+def test_a_redis_restore_shows_its_time_as_host_and_disk_restores_do() -> None:
+    """A cache another replica left in Redis is restored like one from host memory or disk: the
+    line and the table say where from and how long it took (they showed neither time before)."""
+    stats = TurnStats(
+        prefill_tokens=3, reused_tokens=40, ttft_s=0.05, decode_tokens=4, decode_s=0.1, restored_from="redis",
+        restore_s=0.0123, cache_tokens=47,
+    )  # fmt: skip
+    line = stats_html(2, stats)
+    assert 'data-stat="restored_from" data-value="redis">cache from <b>Redis (shared)</b>' in line
+    assert 'restored in <b data-stat="restore_ms">12.3</b> ms' in line
+    assert stats_row(2, stats)[4:6] == ("Redis (shared)", 12.3)
+    for source in ("new", "device", "rebuilt"):
+        assert "restore_ms" not in stats_html(1, replace(stats, restored_from=source))
 
 
 def test_opening_a_session_says_stats_cover_this_page_visit(tiny_manager: SessionManager) -> None:
