@@ -195,6 +195,9 @@ def test_sessions_inspect_show_and_export(cli: Cli, home: Path, tiny_engine: Eng
 
     detail = cli.json("sessions", "inspect", sid, "--tenant", "acme")
     assert detail["session"]["tier"] == "disk"
+    # One mapper of a session to JSON: inspect adds when it expires to what list says of it.
+    [listed] = cli.json("sessions", "list", "--tenant", "acme")
+    assert detail["session"] == listed | {"expires_at": None}
     assert detail["transcript"]["turns"] == 2 and detail["transcript"]["messages"] == 4
     assert detail["model_fingerprint"] == tiny_engine.fingerprint and detail["model_fingerprint_matches"]
     assert detail["last_ttft_s"] > 0
