@@ -16,7 +16,7 @@ Variants, each timed `--repeats` times (median and best; the machine may be shar
 - chunked, streamed (1 / 2 / 4 MiB chunks): what the restore does: `SharedBlobStore.read` hands
                    each chunk to the sealer as it arrives, received from the socket straight into
                    a buffer the store reuses (issue 32), which decrypts it into place (a payload
-                   buffer in huge pages) while Redis sends the next ones.
+                   buffer mapped for it) while Redis sends the next ones.
 - 2 MiB streamed, before issue 32: the same with each chunk read by redis-py's reply parser (a new
                    `bytes` per chunk) and decrypted into a `bytearray`, as before issue 32 (the
                    two module functions swapped back for this row only: `before_issue_32`).

@@ -32,7 +32,6 @@ cache is rebuilt from its transcript, as for any blob that does not authenticate
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import struct
@@ -60,8 +59,8 @@ BLOB_ID_BYTES = 16
 _HEADER = struct.Struct(f"<{len(CHUNKED_MAGIC)}s{BLOB_ID_BYTES}sIIQ{TAG_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _HEADER_NONCE = b"\xff" * NONCE_BYTES
-HUGE_PAGE_BYTES = 2 * 1024 * 1024
-"""A payload at least this long is decrypted into memory mapped for transparent huge pages."""
+MAPPED_PAYLOAD_BYTES = 2 * 1024 * 1024
+"""A payload at least this long is decrypted into a memory mapping of its own (`payload_buffer`)."""
 _KDF_INFO = b"chatkv-chunked-blob"
 
 
@@ -248,22 +247,21 @@ def open_header(
 
 def payload_buffer(nbytes: int) -> bytearray | mmap.mmap:
     """A zeroed, writable buffer of `nbytes` bytes that a payload is decrypted into and its tensors
-    then view (`storage.codec.decode`): a `bytearray`, or, from `HUGE_PAGE_BYTES` on and where the
-    platform has `MADV_HUGEPAGE`, private anonymous memory advised for transparent huge pages.
+    then view (`storage.codec.decode`): from `MAPPED_PAYLOAD_BYTES` on, private anonymous memory
+    (`mmap`), else a `bytearray`.
 
     Why: the buffer is new memory every time (the restored cache keeps it), and faulting it in
-    4 KiB at a time cost as much as receiving and decrypting it (a 186 MB payload: 290 ms of a
-    660 ms Redis restore at load 5.5; `bytearray` also zeroes it once more). In 2 MiB pages the
-    kernel takes 512x fewer faults (benchmarks/README.md, issue 32). Where THP is off (`never`)
-    the advice is ignored and the mapping behaves as 4 KiB pages.
+    cost as much as receiving and decrypting it (a 186 MB payload: 290 of a 660 ms Redis restore
+    at load 5.5, issue 32). A `bytearray` is zeroed by the kernel on each fault and then once more
+    by CPython; a fresh mapping only by the kernel. Not advised for transparent huge pages: they
+    cut the faults 4x for back-to-back restores, but on a VM that hands freed 2 MiB blocks back to
+    its host (free page reporting) a restore seconds after the last took 0.8-2.3 s instead of
+    0.3-0.6 s (benchmarks/README.md, `redis_restore.py`, 2026-12-03).
     """
-    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < MAPPED_PAYLOAD_BYTES:
         return bytearray(nbytes)
-    # Private and anonymous: a shared mapping would be shmem, which THP's `madvise` mode skips.
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel built without THP refuses the advice: 4 KiB pages
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return buffer
+    # Private: a shared anonymous mapping is shmem, whose pages the process does not own alone.
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def open_chunked(

@@ -17,7 +17,7 @@ from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage.bulk_replies import MAX_BULK_BYTES, BulkReader, ReplyBuffers
-from storage.chunked_blobs import HUGE_PAGE_BYTES, open_chunked, payload_buffer, seal_chunked, split_frame
+from storage.chunked_blobs import MAPPED_PAYLOAD_BYTES, open_chunked, payload_buffer, seal_chunked, split_frame
 from storage.metadata_store import MetadataStore
 from storage.redis_store import RedisUnavailable, _bulk_reader, connect_redis
 from tests.storage.conftest import S1
@@ -191,13 +191,11 @@ def test_a_chunk_key_holding_another_type_fails_the_read_as_redis_does(
         client.close()
 
 
-def test_a_payload_from_huge_page_size_on_is_zeroed_private_memory_its_views_keep_alive() -> None:
-    small = payload_buffer(HUGE_PAGE_BYTES - 1)
+def test_a_large_payload_buffer_is_zeroed_private_memory_that_its_tensor_views_keep_alive() -> None:
+    small = payload_buffer(MAPPED_PAYLOAD_BYTES - 1)
     assert isinstance(small, bytearray) and not any(small)
-    large = payload_buffer(HUGE_PAGE_BYTES + 5)
-    assert len(large) == HUGE_PAGE_BYTES + 5
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert isinstance(large, mmap.mmap)
+    large = payload_buffer(MAPPED_PAYLOAD_BYTES + 5)
+    assert isinstance(large, mmap.mmap) and len(large) == MAPPED_PAYLOAD_BYTES + 5
     assert large[:8] == bytes(8) and large[-8:] == bytes(8)
     view = torch.frombuffer(large, dtype=torch.uint8)
     view[-1] = 7
@@ -205,8 +203,8 @@ def test_a_payload_from_huge_page_size_on_is_zeroed_private_memory_its_views_kee
     assert int(view[-1]) == 7 and int(view.sum()) == 7
 
 
-def test_a_chunked_payload_of_huge_page_size_opens_into_its_buffer() -> None:
-    payload = bytes(range(256)) * (HUGE_PAGE_BYTES // 256 + 3)
+def test_a_chunked_payload_over_the_mapping_size_opens_into_its_buffer() -> None:
+    payload = bytes(range(256)) * (MAPPED_PAYLOAD_BYTES // 256 + 3)
     sealed = seal_chunked(bytes(range(32)), payload, aad(S1), chunk_bytes=1 << 20)
     opened_payload = open_chunked(bytes(range(32)), *split_frame(sealed), [aad(S1)], max_payload_bytes=len(sealed))
     assert bytes(opened_payload) == payload
