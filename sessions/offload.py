@@ -148,7 +148,7 @@ class EncryptedCacheSealer:
         with closing(blob):
             head = next(blob, b"")
             if not is_chunked(head):  # a value written before chunking comes as one piece
-                return self._open_whole(key, data_key, head)
+                return self._open_whole(key, data_key, bytes(head))  # the manifest's value: bytes, not copied
             # `blob` is asked for its first chunk only once the header authenticated.
             return open_chunked(data_key, head, blob, self._aads(key), max_payload_bytes=self.max_payload_bytes)
 
