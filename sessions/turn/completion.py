@@ -197,6 +197,7 @@ def _pins_leave_room(cache: SessionCache, spans: Sequence[LayerSpan], budget_tok
 
 def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache | None) -> TurnStats:
     start, choice = prepared.start, prepared.choice
+    own_buffer = start.cache.total_tokens + len(prepared.prefill) + len(generation.token_ids)
     return TurnStats(
         prefill_tokens=len(prepared.prefill) + start.base_computed,
         reused_tokens=start.reused_tokens,
@@ -208,6 +209,7 @@ def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache |
         base_reused_tokens=start.base_reused,
         demoted_tokens=start.demoted_tokens,
         cache_tokens=0 if cache is None else cache.total_tokens,
+        peak_tokens=max(start.peak_tokens, own_buffer),
         queue_s=generation.queue_s,
         restore_choice=None if choice is None else "recompute" if choice.recompute else "restore",
         restore_estimate_s=None if choice is None else choice.restore_s,
