@@ -29,9 +29,9 @@ whole turns under every policy.
 
 Kept keys keep their positions under the lossy policies, so positions outgrow the cache; a turn
 whose positions would pass the model's position limit takes the rebuild path instead
-(`positions_overflow`), which under `attention` prefills the kept past (at most 1.25x the budget)
-at contiguous positions and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in
-`sessions/turn/preparer.py`).
+(`positions_overflow`), which prefills the kept past (at most 1.5x the budget) at contiguous
+positions in chunks, each evicting down to the budget before the next (`prefill_evicting`, called
+by `TurnPreparer._rebuild_by_eviction` in `sessions/turn/preparer.py`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
