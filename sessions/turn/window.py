@@ -286,9 +286,10 @@ class TurnWindow:
                                                           al., 2025), as when turns commit
             evicted                  | kept, per head (<= budget) |  the next chunk follows
 
-        This is SnapKV's prefill compression applied chunk by chunk (as in chunked-prefill
-        variants such as InfiniPot, Kim et al., 2024): a token is judged by the queries of the
-        chunk that follows it, not by the whole conversation's.
+        This is SnapKV's prefill compression applied chunk by chunk (a bounded "pot" compressed
+        whenever it fills, as InfiniPot does: Kim et al., EMNLP 2024): each time the cache must
+        shrink, its tokens are judged by the latest chunk's queries, not by the whole
+        conversation's (nor by the next question, until the turn's own prefill evicts).
 
         Args:
             cache: base (and nothing else held yet) at the position the past starts from.
@@ -297,7 +298,10 @@ class TurnWindow:
         Raises:
             ContextTooLong: if a chunk cannot be made to fit: base, pinned turns and the recent
                 window alone exceed the budget.
+            ValueError: if the policy's `rebuild_chunk_tokens` is 0 (a rebuild at once).
         """
+        if self.window.rebuild_chunk_tokens < 1:
+            raise ValueError("prefill_evicting needs rebuild_chunk_tokens >= 1; 0 prefills the past at once")
         position, peak = 0, cache.total_tokens
         while position < len(kept.ids):
             size = max(self.window.rebuild_chunk_tokens, self.window.budget_tokens - cache.total_tokens, 1)

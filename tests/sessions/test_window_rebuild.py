@@ -205,3 +205,12 @@ def test_a_fork_at_a_windowed_sessions_latest_turn_replies_as_the_parent(
         assert forked.stats.restored_from == "device" and forked.stats.reused_tokens > 0
         assert forked.token_ids == continued.token_ids
         assert manager.stats()["forks"] == {"device": 1.0}  # no rebuild
+
+
+def test_a_negative_chunk_is_refused_and_a_zero_one_does_not_chunk(tiny_engine: Engine) -> None:
+    with pytest.raises(ValueError, match=r"^window_rebuild_chunk_tokens must be >= 0, got -1$"):
+        WindowPolicy(200, "attention", rebuild_chunk_tokens=-1)
+    kept = restack_kept([(LayerSpan(LayerKind.TURN, 0, 3, 0, 0), (5, 6, 7))], [], 0)
+    at_once = TurnWindow(tiny_engine, WindowPolicy(200, "attention", rebuild_chunk_tokens=0))
+    with pytest.raises(ValueError, match="rebuild_chunk_tokens >= 1"):
+        at_once.prefill_evicting(tiny_engine.empty_cache(None), kept)
