@@ -197,7 +197,8 @@ def _pins_leave_room(cache: SessionCache, spans: Sequence[LayerSpan], budget_tok
 
 def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache | None) -> TurnStats:
     start, choice = prepared.start, prepared.choice
-    own_buffer = start.cache.total_tokens + len(prepared.prefill) + len(generation.token_ids)
+    fed = len(prepared.prefill) + max(0, len(generation.token_ids) - 1)  # the last sampled id is never fed
+    own_buffer = start.cache.total_tokens + fed
     return TurnStats(
         prefill_tokens=len(prepared.prefill) + start.base_computed,
         reused_tokens=start.reused_tokens,
