@@ -12,19 +12,26 @@ moment and each decodes up to `--new-tokens` tokens. Per N, in one run on one lo
 
 Throughput is generated tokens over wall time from the common start to the last reply (prefill
 included for every column); chatkv's replies end at a stop token, the transformers batch always
-runs `--new-tokens` steps, so the table shows both token counts. Then two latency checks at
+runs `--new-tokens` steps, so the table shows both token counts. chatkv prefills only the new
+message (the history is cached: the product's point), the transformers batch the whole history, so
+each N also prints a **decode-only** rate: the transformers batch's tokens after its prefill over its
+decode time, chatkv's tokens after the last turn's first token over the time from then to the last
+reply (every turn is decoding by then). Each N's line is printed as soon as it is measured (a
+loaded machine may not live to the table). Then two latency checks at
 `--busy` running turns: the TTFT of one turn that arrives while the others decode, against the
 same turn alone; and the gap between consecutive streamed tokens of the running turns while a
 `--long-prompt-tokens` prefill arrives, against the same gaps without it and against one step that
 carries a full token budget.
 
-    .venv/bin/python benchmarks/concurrency.py [--quick] [--threads 1]
+    .venv/bin/python benchmarks/concurrency.py [--quick] [--threads 1] [--sessions 8 16]
+        [--no-unbatched] [--no-latency] [--prefill-tokens P]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import threading
 import time
 from pathlib import Path
@@ -100,6 +107,8 @@ def run_together(manager: SessionManager, sessions: list[Session], new_tokens: i
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
+        # From the last first token on, every turn decodes: the aggregate decode rate, prefill excluded.
+        "decode_tokens_per_s": (tokens - len(done)) / max(wall - max(r.stats.ttft_s for r in done), 1e-9),
         "ttft_s": [r.stats.ttft_s for r in done],
         "queue_s": [r.stats.queue_s for r in done],
         "reused_tokens": [r.stats.reused_tokens for r in done],
@@ -134,7 +143,13 @@ def transformers_batch(engine: Engine, sessions: list[Session], new_tokens: int)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     wall = time.perf_counter() - began
     tokens = new_tokens * len(sessions)
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "prefill_s": prefill_s}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "prefill_s": prefill_s,
+        "decode_tokens_per_s": (tokens - len(sessions)) / (wall - prefill_s),
+    }
 
 
 def stream_gaps(
@@ -150,7 +165,13 @@ def stream_gaps(
 def latency_checks(engine: Engine, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """The arriving turn's TTFT, and the running decodes' token gaps while a long prefill arrives."""
     busy = args.busy
-    with open_manager(root / "latency", engine, args.model_cache_dir, max_step_tokens=args.step_tokens) as manager:
+    with open_manager(
+        root / "latency",
+        engine,
+        args.model_cache_dir,
+        max_step_tokens=args.step_tokens,
+        max_prefill_tokens=args.prefill_tokens,
+    ) as manager:
         twins = prepare(manager, 2, args, offset=100)  # same history twice: one solo, one under load
         twins[1].next_message = twins[0].next_message
         solo = manager.chat(twins[0].tenant, twins[0].sid, twins[0].next_message, max_new_tokens=8).stats.ttft_s
@@ -221,6 +242,16 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=7, help="running turns in the latency checks")
     parser.add_argument("--long-prompt-tokens", type=int, default=2000)
     parser.add_argument("--step-tokens", type=int, default=256, help="the loop's max_step_tokens")
+    parser.add_argument("--prefill-tokens", type=int, default=32, help="the loop's max_prefill_tokens (0: no cap)")
+    parser.add_argument(
+        "--unbatched",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the 'batching off' column (N turns one after another: the slowest part at large N)",
+    )
+    parser.add_argument(
+        "--latency", action=argparse.BooleanOptionalAction, default=True, help="run the two latency checks"
+    )
     args = parser.parse_args()
     if args.quick:
         args.sessions, args.new_tokens, args.busy, args.long_prompt_tokens = [1, 2, 4], 16, 3, 600
@@ -230,23 +261,38 @@ def main() -> None:
         engine,
         [
             f"{args.history_tokens}-token histories, up to {args.new_tokens} new tokens per turn, greedy; "
-            f"max_step_tokens {args.step_tokens}",
+            f"max_step_tokens {args.step_tokens}, max_prefill_tokens {args.prefill_tokens}",
         ],
     )
     rows, raw = [], []
     with temp_dir("concurrency") as root:
         for n in args.sessions:
             figures: dict[str, Any] = {"sessions": n}
-            for label, batch_cap in (("chatkv", 0), ("batching off", 1)):
+            columns = (("chatkv", 0), ("batching off", 1)) if args.unbatched else (("chatkv", 0),)
+            for label, batch_cap in columns:
                 # A manager configures the shared engine loop from its settings when it opens.
-                limits = {"max_step_tokens": args.step_tokens, "max_batch_requests": batch_cap}
+                limits = {
+                    "max_step_tokens": args.step_tokens,
+                    "max_prefill_tokens": args.prefill_tokens,
+                    "max_batch_requests": batch_cap,
+                }
                 with open_manager(root / f"{label}-{n}", engine, args.model_cache_dir, **limits) as manager:
                     sessions = prepare(manager, n, args)
                     figures[label] = run_together(manager, sessions, args.new_tokens)
                     baseline_sessions = sessions
             figures["transformers"] = transformers_batch(engine, baseline_sessions, args.new_tokens)
             raw.append(figures)
-            ours, off, plain = figures["chatkv"], figures["batching off"], figures["transformers"]
+            ours, plain = figures["chatkv"], figures["transformers"]
+            off = figures.get("batching off", {"tokens_per_s": float("nan"), "ttft_s": [float("nan")]})
+            # One line per N as soon as it is measured: on a loaded machine a run may not live to the table.
+            print(
+                f"N={n}: chatkv {ours['tokens_per_s']:.1f} tok/s, transformers batch {plain['tokens_per_s']:.1f} tok/s "
+                f"({fmt_ratio(ours['tokens_per_s'] / plain['tokens_per_s'])}); decode only: chatkv "
+                f"{ours['decode_tokens_per_s']:.1f}, transformers {plain['decode_tokens_per_s']:.1f} tok/s "
+                f"({fmt_ratio(ours['decode_tokens_per_s'] / plain['decode_tokens_per_s'])}); "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
             rows.append(
                 [
                     n,
@@ -282,14 +328,17 @@ def main() -> None:
             ],
             rows,
         )
-        if one:
+        if one and args.unbatched:
             for figures in raw:
                 n = figures["sessions"]
                 print(
                     f"N={n}: chatkv {fmt_ratio(figures['chatkv']['tokens_per_s'] / one)} of N=1; "
                     f"batching off {fmt_ratio(figures['batching off']['tokens_per_s'] / one)} of N=1"
                 )
-        latency = latency_checks(engine, args, root)
+        latency = latency_checks(engine, args, root) if args.latency else None
+    if latency is None:
+        write_json(args.json, {"throughput": raw}, engine)
+        return
     print(
         f"\narriving turn among {args.busy} decoding: TTFT {fmt_s(latency['loaded_ttft_s'])} vs alone "
         f"{fmt_s(latency['solo_ttft_s'])} ({fmt_ratio(latency['loaded_ttft_s'] / latency['solo_ttft_s'])})"

@@ -194,24 +194,11 @@ class AdminOps:
         detail = manager.inspect_session(record.id, session_id)
         messages = self._messages(record.id, session_id)
         info = detail.info
+        session = self.registry.session_record(TenantId(record.id), info.id)
         expires = expires_at(info, record.implicit_retention_s, self.settings.implicit_retention_s)
         return {
-            "session": {
-                "id": info.id,
-                "tenant_id": info.tenant_id,
-                "tenant": record.name,
-                "title": info.title,
-                "name": info.name,
-                "origin": info.origin,
-                "parent_id": info.parent_id,
-                "fork_turns": info.fork_turns,
-                "tier": info.tier,
-                "token_count": info.token_count,
-                "message_count": info.message_count,
-                "created_at": info.created_at.isoformat(),
-                "last_active_at": info.last_active_at.isoformat(),
-                "expires_at": None if expires is None else expires.isoformat(),
-            },
+            "session": _session_json(session, record.name, info.tier)
+            | {"expires_at": None if expires is None else expires.isoformat()},
             "system_prompt": info.system_prompt,
             "transcript": _summary(messages),
             "model_fingerprint": info.model_fingerprint,

@@ -14,6 +14,8 @@ builds one), into a `TurnPlan` (one prefix lookup at most), which `run` carries 
     a session (id or name)      continue  it (with a posted history: only if it is exactly the
                                           session's, and it still has those turns); a name not
                                           used yet, if the face allows: a new named session
+      with fork_turns k         fork      it after its first k turns (regenerate, edit)
+    a new session               new       an explicit session holding the posted history
     a previous response         continue  its session, if the response is its latest (stored)
                                 fork      its session after the response's turn (a branch)
                                 new       instructions that differ from the session's: a new
@@ -72,8 +74,9 @@ class PlannedTurn(Iterator[str | Reply]):
     """A planned turn: iterate for its text pieces, then its `Reply`.
 
     Nothing happens until the first item is asked for (`start()` or `next()`): then the plan's
-    steps run (`session_id`, `action`, `parent_id`, `turn_index` are set) up to the turn's first
-    item, so every refusal is raised there. `close()` abandons it (nothing stored).
+    steps run (`session_id`, `action`, `parent_id`, `turn_index` are set; `on_made` is called)
+    up to the turn's first item, so every refusal is raised there. `close()` abandons it (nothing
+    stored).
     """
 
     def __init__(self, run: Callable[[PlannedTurn], TurnStream]) -> None:
@@ -84,6 +87,10 @@ class PlannedTurn(Iterator[str | Reply]):
         """Where a fork's cache came from (`device`, `host`, `disk`, `redis`, `rebuilt`)."""
         self.turn_index: int | None = None
         """The index of the turn (the turns its session held before it), when the plan knew it."""
+        self.on_made: Callable[[SessionId], None] | None = None
+        """Set before the first item: called, in the thread running the turn, with the session
+        made for it (a fork or a new one) once it exists, before its prefill (the chat page shows
+        it while the turn prefills)."""
         self._stream = run(self)
 
     def __next__(self) -> str | Reply:
@@ -183,6 +190,8 @@ class TurnDoor:
             return self._after_response(tenant_id, target, target.previous_response)
         if target.conversation is not None:
             return self._in_conversation(tenant_id, target, target.conversation)
+        if target.new_session:
+            return (New(target.system_prompt, tuple(target.history), "explicit"),)
         return self._posted(tenant_id, target)
 
     def _posted(self, tenant_id: TenantId, target: TurnTarget) -> tuple[Step, ...]:
@@ -204,6 +213,8 @@ class TurnDoor:
             if not target.create or name.startswith(SESSION_ID_PREFIX):
                 return (Continue(name, None, found=False),)
             return (New(target.system_prompt, tuple(target.history), "named", name=name),)
+        if target.fork_turns is not None:
+            return (Fork(record.id, target.fork_turns, "fork"),)
         if target.system_prompt is not None and target.system_prompt != record.system_prompt:
             raise InvalidInput("the system message differs from the session's system prompt")
         history = target.history
@@ -310,6 +321,8 @@ class TurnDoor:
             turn.session_id, turn.action, turn.turn_index = session_id, "new", len(step.history)
         completed = False
         try:
+            if turn.on_made is not None:
+                turn.on_made(turn.session_id)
             for item in start(turn.session_id, None):
                 completed = isinstance(item, Reply)
                 yield item

@@ -22,8 +22,8 @@ Action = Literal["continue", "fork", "new"]
 
 @dataclass(frozen=True)
 class TurnTarget:
-    """Where a turn goes: at most one of `session`, `previous_response`, `conversation` (none: the
-    posted history decides), with the conversation as its client posted it.
+    """Where a turn goes: at most one of `session`, `previous_response`, `conversation`,
+    `new_session` (none: the posted history decides), with the conversation as its client posted it.
 
     Attributes:
         system_prompt: the posted system prompt (with `previous_response`: new instructions,
@@ -36,9 +36,16 @@ class TurnTarget:
             history (the OpenAI routes' `X-Session-ID`); off, it is `SessionNotFound`.
         store: `False`: the turn runs on a session made for it, which its client deletes after
             the reply (deleted and erased here if the turn does not complete).
+        fork_turns: with `session`: the turn runs on a new fork of it holding its first
+            `fork_turns` turns (the chat page's regenerate and edit), listed as
+            `SessionManager.fork`'s forks are.
+        new_session: a new session of the client's own (`explicit`: kept until deleted) holding
+            `system_prompt` and `history`, never one found by its history (the first message of
+            the chat page and of `chatkv chat`).
 
     Raises:
-        InvalidInput: for more than one of `session`, `previous_response`, `conversation`.
+        InvalidInput: for more than one of `session`, `previous_response`, `conversation`,
+            `new_session`; `fork_turns` without `session` or with `create`.
     """
 
     system_prompt: str | None = None
@@ -49,11 +56,15 @@ class TurnTarget:
     conversation: str | None = None
     create: bool = False
     store: bool = True
+    fork_turns: int | None = None
+    new_session: bool = False
 
     def __post_init__(self) -> None:
         named = [n for n in (self.session, self.previous_response, self.conversation) if n is not None]
-        if len(named) > 1:
+        if len(named) + self.new_session > 1:
             raise InvalidInput("a turn goes to one session, previous response or conversation, not several")
+        if self.fork_turns is not None and (self.session is None or self.create):
+            raise InvalidInput("fork_turns forks the session a turn names, which must exist")
         object.__setattr__(self, "history", tuple(self.history))  # its texts are checked where stored
 
 

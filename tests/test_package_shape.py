@@ -90,20 +90,39 @@ def test_no_module_is_longer_than_a_reader_keeps_in_mind() -> None:
 
 SESSION_DECIDING = {"open_session", "fork", "continue_history", "stream_chat", "chat", "route_turn"}
 """`SessionManager` methods that choose, make or run on a session outright."""
-EXPLICIT_SESSION_FACES = {"app.http.session_api", "app.ui.handlers", "app.ui.turns", "app.cli.chat"}
-"""Clients of explicit sessions: they open and fork sessions on their user's request, by id."""
+EXPLICIT_SESSION_CALLS = {
+    ("app.http.session_api", "create_session"),  # POST /v1/sessions
+    ("app.http.session_api", "fork"),  # POST /v1/sessions/{id}/fork
+    ("app.http.session_api", "owner_answer"),  # where such a request goes among replicas
+    ("app.ui.handlers", "new_session"),  # the chat page's New session button (a title, no turn)
+}
+"""(module, function) of the calls that make a session on their user's request, not for a turn."""
 
 
-def test_only_the_explicit_session_faces_choose_a_turns_session() -> None:
+def _calls_by_function(path: Path) -> Iterator[tuple[str, str]]:
+    """(innermost enclosing function, called attribute) of every `x.attr(...)` call in the file."""
+
+    def visit(node: ast.AST, function: str) -> Iterator[tuple[str, str]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
+                yield function, child.func.attr
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            yield from visit(child, inner)
+
+    return visit(ast.parse(path.read_text()), "<module>")
+
+
+def test_only_the_explicit_session_requests_choose_a_turns_session() -> None:
     """Where a turn runs is decided once, in `sessions` (`SessionManager.plan_turn`, issue 30):
-    every other face builds a `TurnTarget` and runs the plan, and never opens, forks or picks a
-    session to decide a turn."""
+    every face (the HTTP routes, the chat page, `chatkv chat`) builds a `TurnTarget` and runs the
+    plan, and never opens, forks or picks a session to decide a turn; only a request to make a
+    session (`EXPLICIT_SESSION_CALLS`) makes one outright."""
     wrong = [
-        f"{name} calls .{node.func.attr}()"
+        f"{name}.{function} calls .{attr}()"
         for name, path in MODULES.items()
-        if name.startswith("app") and name not in EXPLICIT_SESSION_FACES
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in SESSION_DECIDING
+        if name.startswith("app")
+        for function, attr in _calls_by_function(path)
+        if attr in SESSION_DECIDING and (name, function) not in EXPLICIT_SESSION_CALLS
     ]
     assert wrong == []
 

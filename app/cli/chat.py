@@ -14,21 +14,22 @@ from app.cli.output import count
 from sessions import describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:
-    from sessions import Reply, SessionManager, TurnStats
+    from sessions import PlannedTurn, Reply, SessionManager, TurnStats
 
 
 def chat_command(
     ctx: typer.Context,
     tenant: TenantOption,
-    session: Annotated[str | None, typer.Option(help="Continue this session (default: start a new one).")] = None,
+    session: Annotated[str | None, typer.Option(help="Continue this session (id or name; default: a new one).")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt of the new session.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per reply.")] = 256,
 ) -> None:
     """Chat in the terminal with a tenant's session; the model runs in this process.
 
     Replies stream as they are generated, followed by the turn's TTFT, prefilled and reused tokens
-    and where the cache came from (new session, device, host, disk, or rebuilt from the
-    transcript). Type /quit or press Ctrl-D to leave.
+    and where the cache came from (new session, device, host, disk, Redis, or rebuilt from the
+    transcript). Without --session the first message starts a new session, kept once its reply is
+    stored: leaving before that leaves nothing behind. Type /quit or press Ctrl-D to leave.
     """
     home = home_dir(ctx.obj)
     owner = read_owner(home)
@@ -40,24 +41,23 @@ def chat_command(
     settings = settings_for(ctx.obj)
     with domain_errors(), load_manager(settings) as manager:
         tenant_id = manager.get_tenant(tenant).id
-        new = session is None
         if session is None:
-            session = manager.open_session(tenant_id, system_prompt=system)
-            typer.echo(f"session {session} (new)")
+            typer.echo("new session: your first message starts it")
         else:
             info = manager.session_info(tenant_id, session)
             turns = count(info.message_count // 2, "turn")
             typer.echo(f"session {session}: {turns}, cache {info.tier or 'not stored'}")
-        _repl(manager, tenant_id, session, max_new_tokens)
-        if new and manager.session_info(tenant_id, session).message_count == 0:
-            # Nothing was said: leave no empty session behind (explicit sessions never expire).
-            manager.delete_session(tenant_id, session)
-            typer.echo(f"session {session} deleted: no message was sent")
+        _repl(manager, tenant_id, session, system, max_new_tokens)
 
 
-def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_tokens: int) -> None:
-    from sessions import ChatKVError
+def _repl(
+    manager: SessionManager, tenant_id: str, session: str | None, system: str | None, max_new_tokens: int
+) -> None:
+    """Read messages until /quit or end of input. Without `session` the first message's turn makes
+    a new session (it is kept only if that turn completes) and the others continue it."""
+    from sessions import ChatKVError, TurnOptions, TurnTarget
 
+    options = TurnOptions(max_new_tokens=max_new_tokens)
     while True:
         try:
             message = input("you> ").strip()
@@ -68,11 +68,16 @@ def _repl(manager: SessionManager, tenant_id: str, session_id: str, max_new_toke
             return
         if not message:
             continue
+        target = TurnTarget(system, new_session=True) if session is None else TurnTarget(session=session)
         try:
-            reply = _stream_turn(manager, tenant_id, session_id, message, max_new_tokens)
+            turn = manager.run_turn(tenant_id, target, message, options)
+            reply = _stream_turn(turn)
         except ChatKVError as exc:  # the REPL survives a rejected message (too long, busy session)
             typer.echo(f"error: {exc}", err=True)
             continue
+        if session is None:
+            session = str(turn.session_id)
+            typer.echo(f"session {session} (new)")
         s = reply.stats
         typer.secho(
             f"ttft {s.ttft_s * 1000:.0f} ms | prefilled {s.prefill_tokens} | reused {s.reused_tokens} | "
@@ -95,18 +100,20 @@ def _cache_text(stats: TurnStats) -> str:
     return f"cache from {source}, restored in {stats.restore_s * 1000:.0f} ms"
 
 
-def _stream_turn(manager: SessionManager, tenant_id: str, session_id: str, message: str, max_new_tokens: int) -> Reply:
+def _stream_turn(turn: PlannedTurn) -> Reply:
+    """Print the turn's pieces as they come; its `Reply`."""
     from sessions import Reply
 
     reply = None
-    # Closed explicitly so that Ctrl-C mid-reply gives the session's lease back at once (nothing is stored).
-    with closing(manager.stream_chat(tenant_id, session_id, message, max_new_tokens=max_new_tokens)) as stream:
-        for item in stream:
+    # Closed explicitly so that Ctrl-C mid-reply gives the session's lease back at once (nothing is
+    # stored, and a session made for the turn goes again).
+    with closing(turn):
+        for item in turn:
             if isinstance(item, Reply):
                 reply = item
             else:
                 typer.echo(item, nl=False)
     typer.echo()
     if reply is None:
-        raise RuntimeError("bug: stream_chat ended without a reply")
+        raise RuntimeError("bug: a turn ended without a reply")
     return reply

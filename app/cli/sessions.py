@@ -58,7 +58,7 @@ def sessions_list(
     as_json: JsonOption = False,
     server: ServerOption = None,
 ) -> None:
-    """List sessions, most recently active first."""
+    """List sessions, most recently active first; a fork's origin says what it was forked from."""
     if tier is not None and tier not in TIERS:
         raise CLIError("--tier must be device, host or disk", 2)
     with open_admin(ctx, server) as admin:
@@ -73,7 +73,7 @@ def sessions_list(
                     s["id"],
                     s["tenant"],
                     s["name"],
-                    s["origin"],
+                    _origin_text(s) if s["parent_id"] is not None else s["origin"],
                     s["tier"],
                     s["token_count"],
                     s["message_count"],

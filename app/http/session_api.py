@@ -126,7 +126,7 @@ class MessageOut(BaseModel):
     created_at: int = Field(description="Unix seconds.")
 
 
-class SessionDetail(SessionOut):
+class SessionWithMessages(SessionOut):
     messages: list[MessageOut]
 
 
@@ -227,12 +227,12 @@ def session_router(
         """The tenant's sessions, most recently active first."""
         return SessionList(data=[_session(info) for info in manager.list_sessions(tenant)])
 
-    @router.get("/sessions/{session_id}", response_model=SessionDetail)
-    def get_session(session_id: str, tenant: TenantDep) -> SessionDetail:
+    @router.get("/sessions/{session_id}", response_model=SessionWithMessages)
+    def get_session(session_id: str, tenant: TenantDep) -> SessionWithMessages:
         """A session and its messages."""
         info = manager.session_info(tenant, session_id)
         messages = [_message(m) for m in manager.history(tenant, session_id)]
-        return SessionDetail(**_session(info).model_dump(), messages=messages)
+        return SessionWithMessages(**_session(info).model_dump(), messages=messages)
 
     @router.delete("/sessions/{session_id}", response_model=SessionDeleted)
     def delete_session(session_id: str, tenant: TenantDep) -> SessionDeleted:

@@ -8,11 +8,14 @@ client cannot set it); a module global here would show one tenant's sessions on 
 page. The key is checked again on every event that touches the tenant's data, so rotating or
 deleting a tenant's key (or the tenant) signs out the tabs that use it.
 
-A turn runs to completion in a worker thread whether or not its tab is still there: reloading or
-closing the page mid-reply still stores the message and the whole reply. The Stop button is the
-one way to cancel a reply: the worker closes its `stream_chat` stream, which cancels the turn at the
-engine's next step and stores nothing, so the partial reply is discarded (the note under the chat
-says so) and the session takes the next message at once.
+A turn goes through the door like every face's (`SessionManager.run_turn` with a `TurnTarget`):
+to the open session, to a new one for a message sent with none open, to a fork for regenerate and
+edit; a session made for a turn is kept only if the turn completes. It runs to completion in a
+worker thread whether or not its tab is still there: reloading or closing the page mid-reply still
+stores the message and the whole reply. The Stop button is the one way to cancel a reply: the
+worker closes its turn, which cancels it at the engine's next step and stores nothing, so the
+partial reply is discarded (the note under the chat says so) and the session takes the next
+message at once.
 
 Regenerate (the retry button on the last reply) and edit (the pencil on a user message; replies
 are not editable) are forks (`app.ui.forks`): a new session holding the turns before the one redone,
@@ -117,8 +120,8 @@ def build_ui(manager: SessionManager, *, local: bool, chat_ui: ChatUI | None = N
     replaced), `message`, `send`, `stop` (shown while a reply streams), `chat-error`,
     `turn-stats` (figures in `[data-stat=...]`: `turn`, `ttft_ms`, `prefill_tokens`,
     `reused_tokens`, `restored_from` (its `data-value` is the `TurnStats` value: new, device,
-    host, disk or rebuilt), `restore_ms` (only for host and disk), `decode_tokens_per_s`,
-    `context_tokens`) and `stats-table`.
+    host, disk, redis or rebuilt), `restore_ms` (only for host, disk and redis),
+    `decode_tokens_per_s`, `context_tokens`) and `stats-table`.
     """
     # Over 60 lines: Gradio declares a page as one block of components and their events; split,
     # the pieces would only pass the components to each other.

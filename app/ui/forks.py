@@ -1,5 +1,6 @@
-"""Regenerate and edit on the chat page are forks (`SessionManager.fork`): which turn a fork keeps
-and what it sends, read off the messages on screen, and the lines the page shows about them.
+"""Regenerate and edit on the chat page are forks (a turn to `TurnTarget(session=S,
+fork_turns=k)`, forked by the door as any face's forks): which turn a fork keeps and what it
+sends, read off the messages on screen, and the lines the page shows about them.
 
     on screen     u0 a0 | u1 a1 | u2 a2          (turns 0, 1, 2; `Shown` indices 0..5)
     regenerate    fork(S, 2), then u2 again      the fork: u0 a0 | u1 a1 | u2 a2'

@@ -34,7 +34,7 @@ from app.ui.render import (
     stats_row,
 )
 from app.ui.sessions import SessionLabels
-from app.ui.turns import Turn, TurnThreads, slider_values
+from app.ui.turns import Turn, TurnThreads, slider_options
 from app.ui.view import (
     DELETE_HIDDEN,
     View,
@@ -49,7 +49,7 @@ from app.ui.view import (
     stop_button_update,
     unchanged_view,
 )
-from sessions import ChatKVError, InvalidInput, Reply, Tenant, TenantExists, TenantNotFound
+from sessions import ChatKVError, InvalidInput, Reply, Tenant, TenantExists, TenantNotFound, TurnTarget
 
 if TYPE_CHECKING:
     from app.http.prefetch import Prefetcher
@@ -290,41 +290,28 @@ class ChatUI:
             yield make_view(state, error_line=error_html("type a message first"))
             return
         try:
-            max_tokens, temperature = slider_values(max_new_tokens, temperature)
+            options = slider_options(max_new_tokens, temperature)
         except InvalidInput as exc:
             yield make_view(state, error_line=error_html(str(exc)))
             return
-        session_id = state.session_id
-        created = session_id is None
-        try:
-            if session_id is None:
-                session_id = self.manager.open_session(tenant)
-            picker = self._labels.picker(tenant, session_id) if created else gr.update()
-        except ChatKVError as exc:
-            yield make_view(state, error_line=error_html(str(exc)))
-            return
+        new = state.session_id is None
+        target = TurnTarget(new_session=True) if new else TurnTarget(session=state.session_id)
         # Started before the first yield: if the tab goes away right after sending, the turn still runs.
-        turn = self._turns.start(
-            Turn(
-                self.manager,
-                tenant,
-                session_id,
-                text,
-                max_new_tokens=max_tokens,
-                temperature=temperature,
-                delete_on_failure=created,
-            )
-        )
+        turn = self._turns.start(Turn(self.manager, tenant, target, text, options))
+        opening: dict[str, Any] = {}
+        if new and turn.session_id is not None:  # made for the turn; `None`: refused before, `_stream` says why
+            opening = self._session_shown(tenant, turn.session_id) | {
+                "remembered": remembered_value(tenant, turn.session_id)
+            }
         before = state
         yield from self._stream(
             turn,
             tenant,
-            replace(state, session_id=session_id),
+            replace(state, session_id=turn.session_id),
             STOPPED_NOTE,
-            lambda **notes: self._undone(before, tenant, text, turn.session_deleted, **notes),
+            lambda **notes: self._undone(before, tenant, text, turn.made, **notes),
             message=input_update(False, value=""),
-            session_picker=picker,
-            remembered=remembered_value(tenant, session_id) if created else gr.update(),
+            **opening,
         )
 
     def _stream(
@@ -356,8 +343,8 @@ class ChatUI:
             yield undo(error_line="", reply_note=note_html(stopped_note, kind="stopped"))
         elif turn.reply is None:
             yield undo(error_line=error_html(failure_message(turn.failure)))
-        else:
-            yield self._after_turn(state, tenant, turn.session_id, turn.text, turn.reply)
+        else:  # a stored turn had its session
+            yield self._after_turn(state, tenant, str(turn.session_id), turn.text, turn.reply)
 
     def stop(self, state: ViewState) -> dict[str, Any]:
         """The Stop button: cancel the reply streaming in this tab's session. The turn's `send`
@@ -438,23 +425,17 @@ class ChatUI:
             yield make_view(state, error_line=error_html(f"session {parent} has a turn in flight; wait for its reply"))
             return
         try:
-            max_tokens, temperature = slider_values(max_new_tokens, temperature)
-            fork = self.manager.fork(tenant, parent, point.turns)
+            options = slider_options(max_new_tokens, temperature)
         except ChatKVError as exc:
             yield self._refused(state, str(exc))
             return
         turn = self._turns.start(
-            Turn(
-                self.manager,
-                tenant,
-                fork,
-                point.text,
-                max_new_tokens=max_tokens,
-                temperature=temperature,
-                delete_on_failure=True,
-                kept_messages=2 * point.turns,
-            )
+            Turn(self.manager, tenant, TurnTarget(session=parent, fork_turns=point.turns), point.text, options)
         )
+        if turn.session_id is None:  # refused before its fork was made (the session deleted meanwhile)
+            yield from self._refusal(turn, state)
+            return
+        fork = turn.session_id
         views = self._stream(
             turn,
             tenant,
@@ -466,7 +447,7 @@ class ChatUI:
         )
         for view in views:
             stored = len(view.state.shown) == len(point.shown) + 2  # the last view, of the stored turn
-            if stored and temperature == 0 and turn.reply is not None:
+            if stored and options.sampling.greedy and turn.reply is not None:
                 view = self._kept_or_same(view, tenant, state, point, turn.reply.text)
             yield view
 
@@ -495,6 +476,12 @@ class ChatUI:
             reply_note=note_html(SAME_FORK_NOTE, kind="same"),
             **self._session_shown(tenant, same),
         )
+
+    def _refusal(self, turn: Turn, state: ViewState) -> Generator[View, None, None]:
+        """The tab as it is with the line of a turn that failed before it had a session."""
+        for _ in turn.partial_replies():  # none come: it failed
+            pass
+        yield self._refused(state, failure_message(turn.failure))
 
     def _refused(self, state: ViewState, message: str) -> View:
         """The tab as it is with one error line; the chat redrawn, undoing an edit the browser shows."""
@@ -525,7 +512,7 @@ class ChatUI:
         except ChatKVError:
             return {}
 
-    def _undone(self, state: ViewState, tenant: Tenant, text: str, session_deleted: bool, **notes: Any) -> View:
+    def _undone(self, state: ViewState, tenant: Tenant, text: str, made: bool, **notes: Any) -> View:
         """The tab as it was before the send (`state`), the message back in the box to edit or send
         again: a failed or stopped turn stores nothing. `notes`: the error line and reply note."""
         view = make_view(
@@ -536,7 +523,7 @@ class ChatUI:
             stop_button=stop_button_update(False),
             **notes,
         )
-        if session_deleted:
+        if made:  # the session made for the turn went with it
             view = view._replace(remembered=remembered_value(tenant, state.session_id))
             with contextlib.suppress(ChatKVError):
                 view = view._replace(session_picker=self._labels.picker(tenant, None))

@@ -22,7 +22,10 @@ STATS_HEADERS = [
 STATS_COLUMN_WIDTHS: list[str | int] = ["7%", "11%", "12%", "12%", "20%", "12%", "13%", "13%"]
 """Shares of the table's width: "cache from" holds words, the others figures under two-word headers."""
 STATS_TABLE_LABEL = "Turns sent in this page visit"
-_SOURCE_NAMES = {"device": "device", "host": "host memory", "disk": "disk"}
+_SOURCE_NAMES = {"device": "device", "host": "host memory", "disk": "disk", "redis": "Redis (shared)"}
+_NOT_RESTORED = ("new", "device", "rebuilt")
+"""Sources a turn does not restore a cache from; every other (a lower tier: host, disk, Redis) has
+a restore time, shown as `chatkv chat` shows it."""
 
 
 def chat_messages(shown: Shown) -> list[dict[str, str]]:
@@ -86,8 +89,9 @@ def _source_text(stats: TurnStats) -> str:
 
 
 def _restore_ms(stats: TurnStats) -> float | None:
-    """Time to bring the cache back from host memory or disk; `None` for other sources."""
-    return round(stats.restore_s * 1000, 1) if stats.restored_from in ("host", "disk") else None
+    """Time to bring the cache back from a lower tier (host memory, disk, Redis); `None` for other
+    sources."""
+    return None if stats.restored_from in _NOT_RESTORED else round(stats.restore_s * 1000, 1)
 
 
 def stats_row(turn: int, stats: TurnStats) -> StatsRow:

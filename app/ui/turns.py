@@ -1,6 +1,6 @@
 """Turns of the chat page run in worker threads: `Turn` runs one to completion whether or not its
 tab is still there, `TurnThreads` tracks the ones in flight (for Stop, and for the server's
-shutdown), and `slider_values` checks the sliders' values before a turn starts."""
+shutdown), and `slider_options` checks the sliders' values before a turn starts."""
 
 from __future__ import annotations
 
@@ -13,23 +13,24 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from sessions import ChatKVError, InvalidInput, Reply, Tenant
+from sessions import ChatKVError, InvalidInput, Reply, Tenant, TurnOptions
 
 if TYPE_CHECKING:
-    from sessions import SessionManager
+    from sessions import SessionManager, TurnTarget
 
 log = logging.getLogger(__name__)
 
 
 class Turn:
-    """One turn run to completion in a worker thread; its reply pieces, then the `Reply` (or the
-    exception it failed with), then `Turn.END`, arrive on `items`. Nobody has to read them: the
-    turn is stored when it completes even if its tab went away. `stop()` (the Stop button) is what
-    ends it early: then `stopped` is set and no `Reply` comes.
+    """One turn run to completion in a worker thread, through the door (`SessionManager.run_turn`
+    with `target`); its reply pieces, then the `Reply` (or the exception it failed with), then
+    `Turn.END`, arrive on `items`. Nobody has to read them: the turn is stored when it completes
+    even if its tab went away. `stop()` (the Stop button) is what ends it early: then `stopped` is
+    set and no `Reply` comes.
 
-    A turn on a session made for it (`delete_on_failure`: a new session, or a fork holding
-    `kept_messages` copied messages) that fails or is stopped deletes that session again, so failed
-    sends, regenerations and edits leave no sessions behind.
+    A turn on a session made for it (`made`: a new session, or a fork) that fails or is stopped
+    leaves no session behind (the door deletes it). `session_id` is the target's session, or the
+    one made for the turn once `placed` is set (set also when the turn ended before one was made).
 
     The reader takes the reply as it grows from `partial_replies()`; once that ends, `reply` is
     the stored turn's `Reply`, or `failure` the exception the turn failed with, or `stopped` is set.
@@ -38,30 +39,22 @@ class Turn:
     END = object()
 
     def __init__(
-        self,
-        manager: SessionManager,
-        tenant: Tenant,
-        session_id: str,
-        text: str,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        delete_on_failure: bool,
-        kept_messages: int = 0,
+        self, manager: SessionManager, tenant: Tenant, target: TurnTarget, text: str, options: TurnOptions
     ) -> None:
         self.manager = manager
         self.tenant = tenant
-        self.session_id = session_id
+        self.target = target
         self.text = text
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.delete_on_failure = delete_on_failure
-        self.kept_messages = kept_messages
-        """Messages the session held before the turn: it is deleted only while it holds no more."""
+        self.options = options
+        self.session_id = target.session if target.fork_turns is None else None
+        self.made = False
+        """The turn runs on a session made for it (kept only if the turn completes)."""
+        self.placed = threading.Event()
+        if self.session_id is not None:
+            self.placed.set()
         self.reply: Reply | None = None
         self.failure: Exception | None = None
         self.items: queue.Queue[object] = queue.Queue()
-        self.session_deleted = False
         self.stopped = False
         self._stop = threading.Event()
 
@@ -73,46 +66,36 @@ class Turn:
 
     def run(self, before_end: Callable[[], None] | None = None) -> None:
         """Run the turn to its end, queueing what it yields (the worker thread's body). `END` is
-        queued only once the stream is closed, so a stopped turn's session is free by then, and
-        after `before_end` has run (`TurnThreads` forgets the turn there: a tab that has seen
-        the stored reply must find the session free, e.g. to delete it at once)."""
+        queued only once the turn is closed, so a stopped turn's session is free (or, made for it,
+        deleted) by then, and after `before_end` has run (`TurnThreads` forgets the turn there: a
+        tab that has seen the stored reply must find the session free, e.g. to delete it at once)."""
         try:
             # Inside the try: bad input (a message over the length limit) or a closed manager
             # raises at the call, and the tab must still get the error and `END`.
-            stream = self.manager.stream_chat(
-                self.tenant,
-                self.session_id,
-                self.text,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-            )
-            # Closing the stream cancels the turn at the engine's next step; nothing is stored.
-            with contextlib.closing(stream):
-                for item in stream:
+            turn = self.manager.run_turn(self.tenant, self.target, self.text, self.options)
+            turn.on_made = self._made
+            # Closing the turn cancels it at the engine's next step; nothing is stored.
+            with contextlib.closing(turn):
+                for item in turn:
                     if self._stop.is_set() and not isinstance(item, Reply):  # a Reply is stored already
                         self.stopped = True
                         break
                     self.items.put(item)
-            if self.stopped and self.delete_on_failure:
-                self._delete_made_session()
         # A thread boundary: whatever the turn raises must reach the tab's generator, which is
         # waiting on this queue (a ChatKVError is shown to the user, anything else is logged too).
         except Exception as exc:
             if not isinstance(exc, ChatKVError):
                 log.exception("turn on session %s failed", self.session_id)
-            if self.delete_on_failure:
-                self._delete_made_session()
             self.items.put(exc)
         finally:
+            self.placed.set()
             if before_end is not None:
                 before_end()
             self.items.put(Turn.END)
 
-    def _delete_made_session(self) -> None:
-        with contextlib.suppress(ChatKVError):
-            if len(self.manager.history(self.tenant, self.session_id)) <= self.kept_messages:
-                self.manager.delete_session(self.tenant, self.session_id)
-                self.session_deleted = True
+    def _made(self, session_id: str) -> None:
+        self.session_id, self.made = session_id, True
+        self.placed.set()
 
     def next_items(self) -> list[object]:
         """Wait for the next item, then take every item already queued (a slow reader gets the
@@ -150,24 +133,24 @@ class TurnThreads:
 
     def __init__(self) -> None:
         self._threads: set[threading.Thread] = set()
-        self._streaming: dict[tuple[str, str], Turn] = {}
-        """(tenant id, session id) -> the turn in flight on it (one at most: the session's lease)."""
+        self._streaming: set[Turn] = set()
+        """The turns in flight (one at most on a session: its lease)."""
         self._lock = threading.Lock()
 
     def find(self, tenant_id: str, session_id: str) -> Turn | None:
         """The turn in flight on the tenant's session, if any."""
         with self._lock:
-            return self._streaming.get((tenant_id, session_id))
+            return next(
+                (t for t in self._streaming if str(t.tenant.id) == tenant_id and t.session_id == session_id), None
+            )
 
     def start(self, turn: Turn) -> Turn:
-        """Run `turn` in a worker thread, tracked until it ends (see `wait`)."""
-
-        key = (str(turn.tenant.id), str(turn.session_id))
+        """Run `turn` in a worker thread, tracked until it ends (see `wait`), and wait until it
+        has its session (made for it: a few milliseconds, before its prefill)."""
 
         def forget() -> None:
             with self._lock:
-                if self._streaming.get(key) is turn:
-                    del self._streaming[key]
+                self._streaming.discard(turn)
 
         def work() -> None:
             try:
@@ -177,11 +160,12 @@ class TurnThreads:
                 with self._lock:
                     self._threads.discard(thread)
 
-        thread = threading.Thread(target=work, name=f"chatkv-turn-{turn.session_id}", daemon=True)
+        thread = threading.Thread(target=work, name="chatkv-turn", daemon=True)
         with self._lock:
             self._threads.add(thread)
-            self._streaming[key] = turn
+            self._streaming.add(turn)
         thread.start()
+        turn.placed.wait()
         return turn
 
     def wait(self, timeout_s: float) -> bool:
@@ -199,18 +183,18 @@ class TurnThreads:
             running[0].join(remaining)
 
 
-def slider_values(max_new_tokens: float, temperature: float) -> tuple[int, float]:
-    """The sliders' values as `stream_chat` arguments (the manager checks their ranges). A client
-    can send any JSON number, NaN and infinity included, which `int` cannot convert.
+def slider_options(max_new_tokens: float, temperature: float) -> TurnOptions:
+    """The sliders' values as a turn's options. A client can send any JSON number, NaN and
+    infinity included, which `int` cannot convert.
 
     Raises:
-        InvalidInput: for a value that is not a finite number.
+        InvalidInput: for a value that is not a finite number, or out of its range (`TurnOptions`).
     """
     if not _finite(max_new_tokens):
         raise InvalidInput(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not _finite(temperature):
         raise InvalidInput(f"temperature must be a number >= 0, got {temperature!r}")
-    return int(max_new_tokens), float(temperature)
+    return TurnOptions(max_new_tokens=int(max_new_tokens), temperature=float(temperature))
 
 
 def _finite(value: object) -> bool:

@@ -195,6 +195,9 @@ def test_sessions_inspect_show_and_export(cli: Cli, home: Path, tiny_engine: Eng
 
     detail = cli.json("sessions", "inspect", sid, "--tenant", "acme")
     assert detail["session"]["tier"] == "disk"
+    # One mapper of a session to JSON: inspect adds when it expires to what list says of it.
+    [listed] = cli.json("sessions", "list", "--tenant", "acme")
+    assert detail["session"] == listed | {"expires_at": None}
     assert detail["transcript"]["turns"] == 2 and detail["transcript"]["messages"] == 4
     assert detail["model_fingerprint"] == tiny_engine.fingerprint and detail["model_fingerprint_matches"]
     assert detail["last_ttft_s"] > 0
@@ -526,14 +529,18 @@ def test_chat_repl_streams_and_reports_reuse(cli: Cli) -> None:
         "chat", "--tenant", "acme", "--system", "Be brief.", "--max-new-tokens", "5", input="Hello\n\nAgain\n/quit\n"
     )
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("session s_") and lines[0].endswith("(new)")
+    assert lines[0] == "new session: your first message starts it"
+    [made] = [line for line in lines if line.endswith("(new)")]  # once its first reply is stored
+    assert made.startswith("session s_")
     stats = [line for line in lines if line.startswith("ttft ")]
     assert len(stats) == 2
     assert "reused 0 | new session |" in stats[0]
     assert "| cache from device |" in stats[1] and "reused 0 |" not in stats[1]
-    sid = lines[0].split()[1]
+    sid = made.split()[1]
     [session] = cli.json("sessions", "list")
     assert session["id"] == sid and session["message_count"] == 4
+    assert (session["origin"], session["title"]) == ("explicit", None)  # kept until deleted, as before
+    assert cli.json("sessions", "show", sid, "--tenant", "acme")["system_prompt"] == "Be brief."
 
     resumed = cli.ok("chat", "--tenant", "acme", "--session", sid, "--max-new-tokens", "3", input="More\n")
     assert resumed.stdout.startswith(f"session {sid}: 2 turns, cache disk\n")
@@ -543,7 +550,16 @@ def test_chat_repl_streams_and_reports_reuse(cli: Cli) -> None:
 def test_chat_left_without_a_message_leaves_no_session(cli: Cli) -> None:
     cli.ok("tenants", "create", "acme")
     result = cli.ok("chat", "--tenant", "acme", input="\n/quit\n")
-    assert result.stdout.splitlines()[-1].endswith("deleted: no message was sent")
+    assert "session s_" not in result.stdout
+    assert cli.json("sessions", "list") == []
+
+
+def test_chat_a_refused_first_message_leaves_no_session(cli: Cli) -> None:
+    """The first message's turn makes the session (`TurnTarget(new_session=True)`): a message the
+    turn refuses leaves nothing stored, and the REPL goes on."""
+    cli.ok("tenants", "create", "acme")
+    result = cli.ok("chat", "--tenant", "acme", "--max-new-tokens", "100000", input="Hello\n")
+    assert "error: message too long" in result.stderr
     assert cli.json("sessions", "list") == []
 
 

@@ -244,6 +244,8 @@ def test_list_and_inspect_show_name_origin_and_fork(cli: Cli, home: Path, tiny_e
     }
     table = cli.ok("sessions", "list").stdout
     assert re.search(rf"^ *{named} +acme +support-42 +named ", table, re.MULTILINE), table
+    # A fork is listed by where it comes from, whichever face made it (its origin may be `implicit`).
+    assert re.search(rf"^ *{fork} +acme +- +fork of {named} after its first 1 turn ", table, re.MULTILINE), table
 
     detail = cli.json("sessions", "inspect", fork, "--tenant", "acme")["session"]
     assert (detail["origin"], detail["parent_id"], detail["fork_turns"], detail["name"]) == ("fork", named, 1, None)

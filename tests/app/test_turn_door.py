@@ -102,3 +102,23 @@ def test_a_fork_reads_the_same_whichever_face_made_it(client: TestClient, tiny_m
     labels = SessionLabels(tiny_manager)
     for fork, its_parent in ((regenerated, parent), (branched, response_parent)):
         assert labels.fork_line(tenant, infos[fork], infos[its_parent]).startswith("fork at turn 2: ")
+
+
+def test_the_chat_page_s_turns_go_through_the_door(tiny_manager: SessionManager) -> None:
+    """The chat page builds targets too: its first message makes an explicit session (kept until
+    deleted, never found by a posted history), and its regenerate is a fork listed as every
+    face's forks are."""
+    from app.ui import ChatUI, ViewState
+    from sessions.admin import AdminOps
+
+    ui = ChatUI(tiny_manager, local=True)
+    first = list(ui.send("Hello", 4, 0.0, ui.on_load(ViewState()).state))[-1]
+    parent = str(first.state.session_id)
+    regenerated = list(ui.regenerate(6, 0.0, first.state))[-1]
+    fork = str(regenerated.state.session_id)
+    assert fork != parent
+
+    listed = {s["id"]: s for s in AdminOps.of(tiny_manager).list_sessions(tenant="local")}
+    assert listed[parent]["origin"] == "explicit" and listed[parent]["parent_id"] is None
+    assert (listed[fork]["origin"], listed[fork]["parent_id"], listed[fork]["fork_turns"]) == ("fork", parent, 0)
+    assert _origin_text(listed[fork]) == f"fork of {parent} after its first 0 turns"

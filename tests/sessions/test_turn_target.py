@@ -16,11 +16,19 @@ from sessions.turn_target import Continue, Fork, New, TurnPlan, TurnTarget
         {"session": "s_1", "previous_response": "resp_1"},
         {"session": "s_1", "conversation": "conv_1"},
         {"previous_response": "resp_1", "conversation": "conv_1"},
+        {"session": "s_1", "new_session": True},
+        {"conversation": "conv_1", "new_session": True},
     ],
 )
 def test_a_target_naming_two_places_is_invalid_input(names: dict[str, str]) -> None:
     with pytest.raises(InvalidInput, match="not several"):
         TurnTarget(**names)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("names", [{}, {"previous_response": "resp_1"}, {"session": "s_1", "create": True}])
+def test_a_fork_point_without_a_session_to_fork_is_invalid_input(names: dict[str, object]) -> None:
+    with pytest.raises(InvalidInput, match="fork_turns forks the session"):
+        TurnTarget(fork_turns=1, **names)  # type: ignore[arg-type]
 
 
 def test_a_plan_says_what_its_first_step_does() -> None:
