@@ -5,14 +5,13 @@ being full), the most tokens one buffer held meanwhile, and how close the rebuil
 reply is to an unbounded cache's, for `window_policy` `turns`, `attention` and `agnostic` at one
 context budget, on the real default model.
 
-A rebuild under `turns` prefills the whole turns that fit the budget. Under `attention` and
-`agnostic` it drops whole oldest turns down to the budget plus a share of it, then prefills that
-kept past in chunks of `window_rebuild_chunk_tokens` (`--chunk`, 128 by default), each scoring
-what is held by its own queries and evicting down to the budget before the next
-(`TurnWindow.prefill_evicting`, issue 31 item 4); the turn's own prefill then evicts the rest.
-The `at once` rows are `window_rebuild_chunk_tokens` 0, the rebuild before chunking: `attention`
-prefills the past down to 1.25x the budget in one buffer and evicts by the new turn's queries;
-`agnostic` drops whole turns like `turns`.
+A rebuild under `turns` prefills the whole turns that fit the budget. The `at once` rows are
+`window_rebuild_chunk_tokens` 0 (chatkv's default): `attention` prefills the past down to 1.25x
+the budget in one buffer and evicts by the new turn's queries; `agnostic` drops whole turns like
+`turns`. The plain `attention` and `agnostic` rows are chunked rebuilds (issue 31 item 4): whole
+oldest turns dropped down to 1.5x the budget, the rest prefilled in chunks of `--chunk` (128)
+tokens, each scoring what is held by its own queries and evicting down to the budget before the
+next (`TurnWindow.prefill_evicting`); the turn's own prefill then evicts the rest.
 
 1. Cost: each mode gets its own home and the same messages: `--turns` turns of ~100-token
    paragraphs (16-token replies) that outgrow `--budget`, then `--repeats` pairs of measured

@@ -73,7 +73,7 @@ class WindowPolicy:
         rebuild_chunk_tokens: under `attention` and `agnostic`, a rebuild prefills its kept past
             in chunks of this many tokens and evicts down to the budget after each, so it holds
             at most `budget_tokens` plus a chunk (`sessions.turn.window.TurnWindow.prefill_evicting`);
-            0 prefills the kept past at once.
+            0 (the default: better replies, benchmarks/window_rebuild.py) prefills it at once.
 
     Raises:
         ValueError: if `budget_tokens` is not positive, `policy` is unknown, `recent_tokens` is
@@ -85,7 +85,7 @@ class WindowPolicy:
     policy: str = "turns"
     recent_tokens: int = 64
     observation_tokens: int = 32
-    rebuild_chunk_tokens: int = 128
+    rebuild_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_tokens <= 0:

@@ -303,10 +303,12 @@ class TurnPreparer:
         `REBUILD_SLACK` at once; at most half-way to the model's position limit, since kept keys
         keep their positions). What is left is prefilled at contiguous positions:
 
-        - in chunks (`window_rebuild_chunk_tokens` > 0, `attention` and `agnostic`): each chunk
-          scores what is held and evicts down to the budget before the next
-          (`TurnWindow.prefill_evicting`), so no buffer holds more than the budget plus a chunk;
-        - at once (0, `attention` only): the whole kept past, up to 1.25x the budget.
+        - at once (`window_rebuild_chunk_tokens` 0, the default; `attention` only, `agnostic`
+          drops whole turns): the whole kept past, up to 1.25x the budget;
+        - in chunks (> 0, `attention` and `agnostic`): each chunk scores what is held and evicts
+          down to the budget before the next (`TurnWindow.prefill_evicting`), so no buffer holds
+          more than the budget plus a chunk, at the price of worse replies in
+          benchmarks/window_rebuild.py (each eviction is judged by one chunk's queries).
 
         Then the turn's own prefill fits the rest (`TurnWindow.fit`: by the new turn's queries
         under `attention`, by the scores the chunks left under `agnostic`).

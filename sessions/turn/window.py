@@ -29,9 +29,10 @@ whole turns under every policy.
 
 Kept keys keep their positions under the lossy policies, so positions outgrow the cache; a turn
 whose positions would pass the model's position limit takes the rebuild path instead
-(`positions_overflow`), which prefills the kept past (at most 1.5x the budget) at contiguous
-positions in chunks, each evicting down to the budget before the next (`prefill_evicting`, called
-by `TurnPreparer._rebuild_by_eviction` in `sessions/turn/preparer.py`).
+(`positions_overflow`), which prefills the kept past at contiguous positions and evicts from it
+the same way (`TurnPreparer._rebuild_by_eviction` in `sessions/turn/preparer.py`): at once (at
+most 1.25x the budget), or, with `window_rebuild_chunk_tokens`, in chunks that each evict down to
+the budget before the next (`prefill_evicting`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
