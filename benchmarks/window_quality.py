@@ -17,45 +17,66 @@ as chatkv's manager does; a 2-token difference per layer boundary.)
    the last turn asks for the fact (a 16-token reply). The budget
    (`--recall-budget`, 256 tokens) is small enough that `turns` must drop turn 1. Reported: the
    share of final replies that contain the fact, per policy and for the unbounded reference.
-2. Quality at equal cache size: `--conversations` (20) long conversations (`--turns` 5 turns of
-   ~60-token paragraphs and questions, 16-token replies). The last reply of the reference is fed
-   after each policy's cache: top-1 agreement of the next-token argmax with the reference and
-   mean KL(reference || policy) over the reply's positions, at budgets of 10/25/50/75% of the full
-   length.
-   Since `turns` drops whole turns it often holds far fewer tokens than the budget, so each
-   policy's *actual* cache size (tokens held when the last turn starts) is reported, and the cache
-   size each policy needs for 95% top-1 agreement is interpolated on its own curve of agreement
-   against actual size (linear between measured points; the unbounded cache is the 100% point).
-   Where the attention policy's recent window (never evicted) leaves no room for a turn at a small
-   budget, chatkv refuses the turn (`ContextTooLong`); the benchmark then measures that
-   conversation with `window_recent_tokens` 0 and counts it.
+2. Quality at equal cache size, split by where the asked content is (SCBench's axis: Li et al.,
+   "SCBench: A KV Cache-Centric Analysis of Long-Context Methods", 2024, ask in later turns about
+   the first turn's context as well as about later turns'): `--conversations` (6) conversations
+   whose turn 1 is a document (`--doc-paragraphs` 4 paragraphs, ~420 tokens), followed by
+   `--turns` (4) turns of one paragraph and a question each (16-token replies); the last turn asks
+   either about a paragraph of the document (`first`) or about the paragraph of turn 2 (`later`,
+   out of the recent window), same history for both. The reference's reply (24 tokens) is fed
+   after each cache: top-1 agreement of the next-token argmax with the reference and mean
+   KL(reference || policy) over the reply's positions, at budgets of 10/25/50/75% of the full
+   length (~1,050 tokens), per question kind, two ways:
+   a. final-turn compression (SCBench's setting: a long context cached once, compressed, then
+      queried): the unbounded cache compressed to the budget when the last question arrives,
+      `turns` by chatkv's window step, the lossy scores (`attention`: the question's observation
+      window; `agnostic`: commit-time) with the kept total spent `uniform` (as served),
+      `per_head` (Ada-KV) or `per_layer` (PyramidKV) (`cache.budget_allocation`), applied as a
+      mask on attention: kept keys keep their positions, so masking a slot equals evicting it
+      (checked against the served gather on the first conversation). The cache size each
+      compression needs for 95% top-1 is interpolated on its own curve of agreement against
+      actual size (linear between measured points; the unbounded cache is the 100% point).
+   b. multi-turn: the history replayed under each policy with chatkv's window step before every
+      turn. chatkv refuses a turn whose own prompt does not fit the budget, so budgets below the
+      document's turn (10% and 25% here) cannot be replayed. Where the recent window (never
+      evicted) leaves no room, the conversation is measured with `window_recent_tokens` 0 and
+      counted. Per-turn TTFT: the window step plus the prefill of the turn's user ids (the first
+      token's logits), on the turns where the window acted.
 3. Cost: seconds per evicting turn (the window step, then the prefill of the turn's ids and its
    teacher-forced reply), `attention` against `turns` at the same budget; the `attention` turn
    prefills its ids once on the full cache with the observation window captured, then evicts and
    carries the prefill over (split out: the observed prefill, the gather and carry).
 
     .venv/bin/python benchmarks/window_quality.py --threads 1
-    .venv/bin/python benchmarks/window_quality.py --threads 1 --quick     # 6 + 4 conversations
+    .venv/bin/python benchmarks/window_quality.py --threads 1 --quick     # 6 recall + 3 quality conversations
+    .venv/bin/python benchmarks/window_quality.py --threads 1 --recall 0  # the quality part only
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from _common import PARAGRAPHS, QUESTIONS, base_parser, open_manager, print_header, print_table, setup, temp_dir
 from _common import write_json as write_json_file
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cache.attention_scores import QueryLog
+from cache.budget_allocation import ALLOCATIONS, kept_own_mask
 from cache.ids import PrefixKey
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
-from cache.token_eviction import committed_scores
+from cache.token_eviction import committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from cache.window_policy import WindowPolicy
 from cache.working_cache import WorkingCache
 from sessions.engine import Engine
+from sessions.engine.batch import band_mask
+from sessions.engine.packed_attention import step_of
 from sessions.errors import ContextTooLong
 from sessions.sampling import SamplingParams
 from sessions.turn.window import FittedWindow, TurnWindow
@@ -125,6 +146,7 @@ class Replayed:
     plain_s: list[float]
     turn_s: list[float]  # evicting turns: window step plus the prefill of the turn's ids and reply
     commit_s: list[float]  # every turn: the `agnostic` commit-time scores from the logged queries
+    ttft_s: list[float]  # evicting turns: window step plus the prefill of the user ids (first token)
     snapshots: list[tuple[SessionCache, int]]  # (cache before turn i, its stream length), unbounded runs
 
     @property
@@ -153,7 +175,7 @@ def replay(
             if snapshot.total_tokens + len(user) + max_new > window.budget_tokens:
                 break
             cache, stream, first = snapshot, length, index
-    timings: tuple[list[float], list[float], list[float], list[float], list[float]] = ([], [], [], [], [])
+    timings: tuple[list[float], ...] = ([], [], [], [], [], [])
     snapshots: list[tuple[SessionCache, int]] = []
 
     def fit(cache: SessionCache, user: tuple[int, ...]) -> FittedWindow:
@@ -175,10 +197,15 @@ def replay(
         fed = (*user, *reply[:-1])
         span = LayerSpan(LayerKind.TURN, index, len(fed), stream, fitted.cache.next_position)
         working = working_of(fitted, len(fed))
+        plain = timings[2][-1] if time_plain and fitted.demoted_tokens else 0.0
         with QueryLog(working) as log:  # every policy's cache carries `agnostic`'s commit-time scores
-            engine.prefill(working, fed[fitted.prefilled_tokens :])
+            engine.prefill(working, user[fitted.prefilled_tokens :])
+            first_token = time.perf_counter()
+            if len(reply) > 1:
+                engine.prefill(working, reply[:-1])
         if fitted.demoted_tokens:
-            timings[3].append(time.perf_counter() - started - (timings[2][-1] if time_plain else 0.0))
+            timings[3].append(time.perf_counter() - started - plain)
+            timings[5].append(first_token - started - plain)
         cache = fitted.cache.after_turn(working, fed, [span])
         if cache.full_layers:
             committing = time.perf_counter()
@@ -186,7 +213,8 @@ def replay(
             timings[4].append(time.perf_counter() - committing)
         stream += len(fed)
     snapshots.append((cache, stream))
-    return Replayed(fit(cache, conv.final_user), *timings, snapshots)
+    scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s = timings
+    return Replayed(fit(cache, conv.final_user), scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s, snapshots)
 
 
 def working_of(fitted: FittedWindow, extra_tokens: int) -> WorkingCache:
@@ -284,76 +312,257 @@ def run_recall(engine: Engine, manager: Any, tenant: Any, count: int, budget: in
     return {"hits": hits, "count": count, "timings": timings, "sizes": sizes}
 
 
-# -- 2. quality at equal cache size ----------------------------------------------------------------
+# -- 2. quality at equal cache size, by where the asked content is (SCBench) -----------------------
+
+TOPICS = (
+    "the lighthouse",
+    "sourdough bread",
+    "river deltas",
+    "the city library",
+    "honeybees",
+    "the mountain railway",
+    "composting",
+    "finding longitude at sea",
+    "the community orchard",
+    "glaciers",
+    "the orchestra's new hall",
+    "tidal pools",
+)
+"""What each of `PARAGRAPHS` is about, for the last turn's question."""
+KINDS = ("first", "later")
+"""The last question asks about the first turn's document, or about a later turn's paragraph."""
+REPLY_TOKENS, FINAL_TOKENS = 16, 24
 
 
-def quality_messages(engine: Engine, index: int, turns: int) -> list[str]:
-    from _common import user_message
-
-    out = []
-    for k in range(turns):
-        question = QUESTIONS[(index + k) % len(QUESTIONS)]
-        out.append(user_message(engine, (index * 3 + k) % len(PARAGRAPHS), 60, question))
-    return out
-
-
-def run_quality(engine: Engine, manager: Any, tenant: Any, count: int, turns: int, recent: int) -> dict[str, Any]:
-    reply_tokens = 16
-    points: dict[str, dict[float, dict[str, float]]] = {
-        p: {f: {"size": 0.0, "top1": 0.0, "kl": 0.0, "n": 0.0} for f in FRACTIONS} for p in POLICIES
+def scbench_messages(index: int, doc_paragraphs: int, turns: int) -> tuple[list[str], dict[str, str]]:
+    """The history (a document, then `turns` one-paragraph turns) and the last question per kind."""
+    count = len(PARAGRAPHS)
+    start = (index * 5) % count
+    document = "\n\n".join(PARAGRAPHS[(start + k) % count] for k in range(doc_paragraphs))
+    later = [(start + doc_paragraphs + k) % count for k in range(turns)]
+    history = [
+        f"Here is a document; I will ask you about it later.\n\n{document}\n\n"
+        "For now, say in one sentence what it covers.",
+        *(f"{PARAGRAPHS[p]}\n\n{QUESTIONS[(index + k) % len(QUESTIONS)]}" for k, p in enumerate(later)),
+    ]
+    asked = (start + index % doc_paragraphs) % count
+    finals = {
+        "first": f"In the document I shared first, what did it say about {TOPICS[asked]}? Answer in two sentences.",
+        "later": f"Earlier I sent a paragraph about {TOPICS[later[0]]}. What did it say? Answer in two sentences.",
     }
-    full_sizes = []
+    return history, finals
+
+
+def fit_final(engine: Engine, window: WindowPolicy, cache: SessionCache, user: tuple[int, ...]) -> FittedWindow:
+    fitted: FittedWindow = TurnWindow(engine, window).fit(cache, (), user, FINAL_TOKENS)
+    return fitted
+
+
+def agreement(ref_logp: torch.Tensor, logp: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(reference || policy) in nats) over the reply's positions."""
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
+    return float((logp.argmax(dim=-1) == ref_logp.argmax(dim=-1)).float().mean()), float(kl.mean())
+
+
+def _cell() -> dict[str, float]:
+    return {"size": 0.0, "top1": 0.0, "kl": 0.0, "n": 0.0}
+
+
+def _add(cell: dict[str, float], size: int, top1: float, kl: float) -> None:
+    cell["size"] += size
+    cell["top1"] += top1
+    cell["kl"] += kl
+    cell["n"] += 1
+
+
+@contextmanager
+def masked_slots(engine: Engine, keep: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While the block runs, model layer `l`'s attention (outside packed steps) sees only the cached
+    slots `keep[l]` (`[kv_heads, cached]` bool, base first) plus the tokens fed since, causally:
+    eviction applied as a mask, for allocations the session cache cannot store (ragged)."""
+    name = engine.model.config._attn_implementation
+    original = ALL_ATTENTION_FUNCTIONS[name]
+    local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+    def attention(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs: Any
+    ) -> Any:
+        cached = keep.get(getattr(module, "layer_idx", -1))
+        if cached is None or step_of(mask, kwargs) is not None:
+            return original(module, query, key, value, mask, **kwargs)
+        n, m = query.shape[2], key.shape[2]
+        visible = torch.cat([cached, cached.new_ones(cached.shape[0], m - cached.shape[1])], dim=1)  # [kv, m]
+        causal = band_mask(n, m, None, query.device)
+        allowed = visible.repeat_interleave(query.shape[1] // key.shape[1], dim=0)[:, None, :]  # [heads, 1, m]
+        if causal is not None:
+            allowed = allowed & causal[None]
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed[None], scale=kwargs.get("scaling"), enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    ALL_ATTENTION_FUNCTIONS[name] = attention
+    try:
+        yield
+    finally:
+        if local:
+            ALL_ATTENTION_FUNCTIONS[name] = original
+        else:
+            del ALL_ATTENTION_FUNCTIONS[name]
+
+
+def masked_log_probs(
+    engine: Engine, cache: SessionCache, own_mask: torch.Tensor, prefill: tuple[int, ...], reply: tuple[int, ...]
+) -> torch.Tensor:
+    """`forced_log_probs` on `cache` with only the own slots of `own_mask` (`kept_own_mask`) visible."""
+    keep = {}
+    for row, layer in enumerate(cache.full_layers):
+        base = torch.ones(own_mask.shape[1], cache.base_tokens, dtype=torch.bool)
+        keep[layer] = torch.cat([base, own_mask[row]], dim=1).to(engine.device)
+    with masked_slots(engine, keep):
+        return forced_log_probs(engine, FittedWindow(cache, 0, False), prefill, reply)
+
+
+def run_quality(
+    engine: Engine, manager: Any, tenant: Any, count: int, doc_paragraphs: int, turns: int, recent: int
+) -> dict[str, Any]:
+    points = {p: {f: {k: _cell() for k in KINDS} for f in FRACTIONS} for p in POLICIES}
+    compressed = {r: {f: {k: _cell() for k in KINDS} for f in FRACTIONS} for r in COMPRESSED}
+    ttft: dict[str, dict[float, list[float]]] = {p: {f: [] for f in FRACTIONS} for p in POLICIES}
     refused = {p: dict.fromkeys(FRACTIONS, 0) for p in POLICIES}
     impossible = {p: dict.fromkeys(FRACTIONS, 0) for p in POLICIES}
+    full_sizes, checks = [], []
     for c in range(count):
         began = time.perf_counter()
-        conv = reference(manager, tenant, quality_messages(engine, c, turns), [reply_tokens] * turns)
+        history, finals = scbench_messages(c, doc_paragraphs, turns)
+        reply_lengths = [REPLY_TOKENS] * len(history) + [FINAL_TOKENS]
+        convs = {k: reference(manager, tenant, [*history, finals[k]], reply_lengths) for k in KINDS}
+        conv = convs["first"]
+        if convs["later"].turns != conv.turns:
+            print(f"  warning: conversation {c}'s two reference histories differ", flush=True)
         base = shared_base(engine, conv.base_ids)
-        full = conv.full_tokens + reply_tokens
+        full = conv.full_tokens + FINAL_TOKENS
         full_sizes.append(conv.full_tokens)
-        unbounded = replay(engine, base, conv, WindowPolicy(100_000), reply_tokens)
-        ref_logp = forced_log_probs(engine, unbounded.fitted, conv.final_user, conv.final_reply)
-        ref_top1 = ref_logp.argmax(dim=-1)
-        line = [f"  quality {c}: {conv.full_tokens} tokens"]
+        unbounded = replay(engine, base, conv, WindowPolicy(100_000), FINAL_TOKENS)
+        whole = unbounded.snapshots[-1][0]
+        unbounded_window = WindowPolicy(100_000)
+        refs = {
+            k: forced_log_probs(engine, fit_final(engine, unbounded_window, whole, convs[k].final_user), *_qa(convs[k]))
+            for k in KINDS
+        }
+        line = [f"  quality {c}: {conv.full_tokens} tokens (document {len(conv.turns[0][0])})"]
+        # (a) multi-turn: the history replayed under each policy, every turn fitted (chatkv refuses a
+        # turn whose own prompt does not fit the budget, so budgets below the document are skipped)
         for policy in POLICIES:
             for fraction in FRACTIONS:
-                window = WindowPolicy(int(full * fraction), policy=policy, recent_tokens=recent)
-                try:
-                    fitted = replay(engine, base, conv, window, reply_tokens, unbounded=unbounded).fitted
-                except ContextTooLong:
-                    # The recent window is never evicted: with it, the turn does not fit this budget
-                    # (chatkv refuses such a turn). Measured again without a recent window, and counted;
-                    # a budget below one turn's prompt fits no policy and is left out (counted too).
+                budget = int(full * fraction)
+                if len(conv.base_ids) + len(conv.turns[0][0]) + REPLY_TOKENS > budget:
+                    impossible[policy][fraction] += 1
+                    continue
+                measured = _measure_policy(engine, base, conv, convs, unbounded, policy, budget, recent)
+                if measured is None:
                     refused[policy][fraction] += 1
-                    window = WindowPolicy(int(full * fraction), policy=policy, recent_tokens=0)
-                    try:
-                        fitted = replay(engine, base, conv, window, reply_tokens, unbounded=unbounded).fitted
-                    except ContextTooLong:
+                    measured = _measure_policy(engine, base, conv, convs, unbounded, policy, budget, 0)
+                    if measured is None:
                         impossible[policy][fraction] += 1
                         continue
-                logp = forced_log_probs(engine, fitted, conv.final_user, conv.final_reply)
-                cache = fitted.cache
-                kl = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
-                point = points[policy][fraction]
-                point["size"] += cache.total_tokens
-                top1 = float((logp.argmax(dim=-1) == ref_top1).float().mean())
-                point["top1"] += top1
-                point["kl"] += float(kl.mean())
-                point["n"] += 1
-                if fraction in REPORTED:
-                    line.append(f"{policy}@{fraction:.0%} {cache.total_tokens} tok top1 {top1:.2f}")
+                replayed, logps = measured
+                ttft[policy][fraction] += replayed.ttft_s
+                shown = []
+                for k in KINDS:
+                    top1, kl = agreement(refs[k], logps[k][1])
+                    _add(points[policy][fraction][k], logps[k][0], top1, kl)
+                    shown.append(f"{top1:.2f}")
+                line.append(f"{policy}@{fraction:.0%} {logps['first'][0]} tok {'/'.join(shown)}")
+        # (b) final-turn compression (SCBench's setting): the unbounded cache compressed once to the
+        # budget when the last question arrives; `turns` by chatkv's own window step, the lossy
+        # scores by each allocation, as a mask (checked against the served gather once)
+        for k in KINDS:
+            user, reply = _qa(convs[k])
+            scores = {
+                "attention": TurnWindow(engine, unbounded_window).score(whole, user),
+                "agnostic": stored_scores(whole),
+            }
+            for fraction in FRACTIONS:
+                budget = int(full * fraction)
+                try:
+                    fitted = fit_final(engine, WindowPolicy(budget), whole, user)
+                    top1, kl = agreement(refs[k], forced_log_probs(engine, fitted, user, reply))
+                    _add(compressed["turns"][fraction][k], fitted.cache.total_tokens, top1, kl)
+                except ContextTooLong:
+                    pass
+                excess = max(0, whole.total_tokens + len(user) + FINAL_TOKENS - budget)
+                kept_recent = recent if excess <= evictable_tokens(whole, recent) else 0
+                if excess > evictable_tokens(whole, kept_recent):
+                    continue
+                for scorer in SCORERS:
+                    for allocation in ALLOCATIONS:
+                        mask = kept_own_mask(whole, scores[scorer], excess, kept_recent, allocation)
+                        logp = masked_log_probs(engine, whole, mask, user, reply)
+                        top1, kl = agreement(refs[k], logp)
+                        _add(compressed[f"{scorer} {allocation}"][fraction][k], whole.total_tokens - excess, top1, kl)
+                        if c == 0 and allocation == "uniform" and fraction == 0.25:
+                            served = evict_by_scores(whole, scores[scorer], excess, kept_recent)
+                            exact = forced_log_probs(engine, FittedWindow(served, excess, False), user, reply)
+                            checks.append(float((exact - logp).abs().max()))
+        shown = [
+            f"{compressed[r][0.1]['first']['top1'] / max(1.0, compressed[r][0.1]['first']['n']):.2f}"
+            for r in COMPRESSED
+        ]
+        line.append("mean first-turn top-1 at 10% so far " + "/".join(shown))
         print(", ".join(line) + f" ({time.perf_counter() - began:.1f} s)", flush=True)
-    summary = {
-        p: {f: {k: v / max(1.0, points[p][f]["n"]) for k, v in points[p][f].items() if k != "n"} for f in FRACTIONS}
-        for p in POLICIES
-    }
     return {
-        "summary": summary,
+        "summary": {p: {f: {k: _mean_cell(points[p][f][k]) for k in KINDS} for f in FRACTIONS} for p in POLICIES},
+        "compressed": {
+            r: {f: {k: _mean_cell(compressed[r][f][k]) for k in KINDS} for f in FRACTIONS} for r in COMPRESSED
+        },
+        "ttft": ttft,
+        "mask_check_max_abs_logp": checks,
         "mean_full_tokens": sum(full_sizes) / len(full_sizes),
         "refused": refused,
         "impossible": impossible,
-        "measured": {p: {f: points[p][f]["n"] for f in FRACTIONS} for p in POLICIES},
     }
+
+
+SCORERS = ("attention", "agnostic")
+COMPRESSED = ("turns", *(f"{s} {a}" for s in SCORERS for a in ALLOCATIONS))
+"""Rows of the final-turn compression: `turns`' window step, each lossy score by each allocation."""
+
+
+def _qa(conv: Conversation) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return conv.final_user, conv.final_reply
+
+
+def _mean_cell(cell: dict[str, float]) -> dict[str, float]:
+    return {k: v / max(1.0, cell["n"]) for k, v in cell.items() if k != "n"} | {"n": cell["n"]}
+
+
+def _measure_policy(
+    engine: Engine,
+    base: BaseLayer,
+    conv: Conversation,
+    convs: dict[str, Conversation],
+    unbounded: Replayed,
+    policy: str,
+    budget: int,
+    recent: int,
+) -> tuple[Replayed, dict[str, tuple[int, torch.Tensor]]] | None:
+    """The history replayed under `policy`, then each kind's last turn fitted and teacher-forced:
+    (replay, {kind: (cache tokens at the question, log-probs)}), or `None` if chatkv refuses a turn."""
+    window = WindowPolicy(budget, policy=policy, recent_tokens=recent)
+    try:
+        replayed = replay(engine, base, conv, window, FINAL_TOKENS, unbounded=unbounded)
+        out = {}
+        for k in KINDS:
+            fitted = (
+                replayed.fitted
+                if k == "first"
+                else fit_final(engine, window, replayed.snapshots[-1][0], convs[k].final_user)
+            )
+            out[k] = (fitted.cache.total_tokens, forced_log_probs(engine, fitted, *_qa(convs[k])))
+    except ContextTooLong:
+        return None
+    return replayed, out
 
 
 def size_for(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -369,21 +578,25 @@ def size_for(curve: list[tuple[float, float]], target: float) -> float | None:
 
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--recall", type=int, default=None, help="recall conversations (default 30)")
+    parser.add_argument("--recall", type=int, default=None, help="recall conversations (default 30; 0 skips)")
     parser.add_argument("--recall-budget", type=int, default=256, help="context budget of the recall part")
-    parser.add_argument("--conversations", type=int, default=None, help="quality conversations (default 20)")
-    parser.add_argument("--turns", type=int, default=5, help="turns per quality conversation, the last compared")
-    parser.add_argument("--recent", type=int, default=32, help="window_recent_tokens of the attention policy")
+    parser.add_argument("--conversations", type=int, default=None, help="quality conversations (default 6)")
+    parser.add_argument("--doc-paragraphs", type=int, default=4, help="paragraphs of the first turn's document")
+    parser.add_argument("--turns", type=int, default=4, help="one-paragraph turns after the document")
+    parser.add_argument("--recent", type=int, default=32, help="window_recent_tokens of the lossy policies")
     args = parser.parse_args()
-    recall_count = args.recall or (6 if args.quick else 30)
-    quality_count = args.conversations or (4 if args.quick else 20)
+    recall_count = args.recall if args.recall is not None else (6 if args.quick else 30)
+    quality_count = args.conversations or (3 if args.quick else 6)
+    if not 1 <= args.doc_paragraphs <= len(PARAGRAPHS) - args.turns or args.turns < 1:
+        parser.error(f"--doc-paragraphs plus --turns must be at most {len(PARAGRAPHS)}, each at least 1")
     engine = setup(args)
     print_header(
         "window_quality: window_policy turns vs attention (SnapKV-style) vs agnostic (commit-time scores)",
         engine,
         [
             f"recall: {recall_count} conversations, budget {args.recall_budget} tokens; quality: {quality_count} "
-            f"conversations of {args.turns} turns; window_recent_tokens {args.recent}, "
+            f"conversations (a {args.doc_paragraphs}-paragraph document, then {args.turns} turns, then a question "
+            f"about the document or about turn 2); window_recent_tokens {args.recent}, "
             "window_observation_tokens 32 (the default)",
             "history teacher-forced from an unbounded chatkv run; each policy's window fitted by chatkv's "
             "TurnWindow before every turn",
@@ -397,10 +610,20 @@ def main() -> None:
     ):
         tenant = manager.create_tenant("bench")
         recall = run_recall(engine, manager, tenant, recall_count, args.recall_budget, args.recent)
-        quality = run_quality(engine, manager, tenant, quality_count, args.turns, args.recent)
+        quality = run_quality(engine, manager, tenant, quality_count, args.doc_paragraphs, args.turns, args.recent)
+    if recall_count:
+        print_recall(recall, args.recall_budget)
+    print_quality(quality, quality_count)
+    if recall_count:
+        print_cost(recall)
+    print(f"total run time {time.perf_counter() - started:.0f} s")
+    write_json_file(args.json, {"benchmark": "window_quality", "recall": recall, "quality": quality}, engine)
+
+
+def print_recall(recall: dict[str, Any], budget: int) -> None:
     hits, n = recall["hits"], recall["count"]
     print_table(
-        f"Recall of a turn-1 fact after 10-14 filler turns (budget {args.recall_budget} tokens)",
+        f"Recall of a turn-1 fact after 10-14 filler turns (budget {budget} tokens)",
         ["window", "replies with the fact", "share", "mean cache tokens at the question"],
         [
             ["unbounded (chatkv, exact)", f"{hits['unbounded']} of {n}", f"{hits['unbounded'] / n:.0%}", "-"],
@@ -411,45 +634,105 @@ def main() -> None:
         f"check: the replay with an unbounded window finds the fact in {hits['replay_unbounded']} of the first "
         f"{hits['replay_checked']} conversations"
     )
-    summary = quality["summary"]
+
+
+def print_quality(quality: dict[str, Any], count: int) -> None:
+    full, comp = quality["mean_full_tokens"], quality["compressed"]
+
+    def cell(c: dict[str, float]) -> str:
+        return f"{c['top1']:.1%} / {c['kl']:.3f}" if c["n"] else "-"
+
     rows = []
     for fraction in FRACTIONS:
-        row: list[object] = [f"{fraction:.1%}" + (" *" if fraction in REPORTED else "")]
-        for policy in POLICIES:
-            p = summary[policy][fraction]
-            row += [f"{p['size']:.0f}", f"{p['top1']:.1%}", f"{p['kl']:.3f}"]
-        row.append(", ".join(str(quality["refused"][p][fraction]) for p in POLICIES[1:]))
-        row.append(", ".join(f"{quality['measured'][p][fraction]:.0f}" for p in POLICIES))
-        rows.append(row)
+        for kind in KINDS:
+            turns, lossy = comp["turns"][fraction][kind], comp["attention uniform"][fraction][kind]
+            rows.append(
+                [
+                    f"{fraction:.0%}",
+                    kind,
+                    f"{turns['size']:.0f}" if turns["n"] else "-",
+                    cell(turns),
+                    f"{lossy['size']:.0f}" if lossy["n"] else "-",
+                    *(cell(comp[r][fraction][kind]) for r in COMPRESSED[1:]),
+                ]
+            )
     print_table(
-        f"Next-reply quality against the unbounded cache ({quality_count} conversations, mean full length "
-        f"{quality['mean_full_tokens']:.0f} tokens; * = the 25/50/75% budgets)",
-        [
-            "budget",
-            *[h for p in POLICIES for h in (f"{p}: cache tok", "top-1", "KL")],
-            "no recent window (" + ", ".join(POLICIES[1:]) + ")",
-            "measured (" + ", ".join(POLICIES) + ")",
-        ],
+        f"Final-turn compression, top-1 / KL against the unbounded cache ({count} conversations, mean full length "
+        f"{full:.0f} tokens; first: asked about turn 1's document, later: about turn 2's paragraph)",
+        ["budget", "asked", "turns tok", "turns", "lossy tok", *COMPRESSED[1:]],
         rows,
     )
     print(
-        "cache tok: mean tokens the cache holds when the compared turn starts; top-1 / KL: teacher-forced on the "
-        "reference's reply, KL(reference || policy) in nats per position; no recent window: conversations in "
-        "which the attention policy with its recent window cannot fit the budget (chatkv refuses that turn), "
-        "measured with window_recent_tokens 0 instead"
+        "the unbounded cache compressed once when the last question arrives (SCBench's setting): turns by chatkv's "
+        "window step; attention (the question's observation window) and agnostic (commit-time) scores with the kept "
+        "total spent uniform (as served), per_head (Ada-KV) or per_layer (PyramidKV), as masks; tok: mean tokens "
+        "held when the question starts; KL(reference || policy) in nats per position of the 24-token reply"
     )
-    full = quality["mean_full_tokens"]
-    needed = {}
-    for policy in POLICIES:
-        measured = [f for f in FRACTIONS if quality["measured"][policy][f]]
-        curve = [(summary[policy][f]["size"], summary[policy][f]["top1"]) for f in measured] + [(full, 1.0)]
-        needed[policy] = size_for(curve, 0.95)
-    cells = [f"{needed[p]:.0f} tokens" if needed[p] is not None else "not reached" for p in POLICIES]
+    needed_rows = []
+    turns_both = _size_for_95(comp["turns"], KINDS, full)
+    for name in COMPRESSED:
+        sizes = [_size_for_95(comp[name], kinds, full) for kinds in ((KINDS[0],), (KINDS[1],), KINDS)]
+        cells = [f"{n:.0f}" if n is not None else "not reached" for n in sizes]
+        needed_rows.append([name, *cells, _saving(turns_both, sizes[-1])])
     print_table(
-        "Cache size for 95% top-1 agreement (interpolated on each policy's agreement vs actual size)",
-        [*POLICIES, *(f"{p} saves" for p in POLICIES[1:])],
-        [[*cells, *(_saving(needed["turns"], needed[p]) for p in POLICIES[1:])]],
+        "Cache tokens for 95% top-1 agreement, final-turn compression (interpolated on agreement vs actual size)",
+        ["compression", "first", "later", "both", "saves vs turns (both)"],
+        needed_rows,
     )
+    summary = quality["summary"]
+    rows = []
+    for fraction in FRACTIONS:
+        for kind in KINDS:
+            line: list[str] = [f"{fraction:.0%}", kind]
+            for policy in POLICIES:
+                p = summary[policy][fraction][kind]
+                line += [f"{p['size']:.0f}", cell(p)] if p["n"] else ["-", "-"]
+            line.append(", ".join(f"{summary[p][fraction][kind]['n']:.0f}" for p in POLICIES))
+            rows.append(line)
+    print_table(
+        "Multi-turn: the history replayed under each policy, every turn fitted (top-1 / KL)",
+        ["budget", "asked", *[h for p in POLICIES for h in (f"{p} tok", p)], "measured"],
+        rows,
+    )
+    print(
+        "a budget below the document's own turn cannot be replayed (chatkv refuses a turn that does not fit the "
+        "window); refused with the recent window, measured without it: "
+        + "; ".join(f"{p} " + ", ".join(str(quality["refused"][p][f]) for f in FRACTIONS) for p in POLICIES)
+    )
+    ttft = quality["ttft"]
+    rows = []
+    for fraction in FRACTIONS:
+        base = _median(ttft["turns"][fraction])
+        timed = [f"{fraction:.0%}"]
+        for policy in POLICIES:
+            times = ttft[policy][fraction]
+            ratio = f" ({_median(times) / base:.2f}x)" if times and base else ""
+            timed.append(f"{_median(times) * 1000:.0f} ms{ratio}, n={len(times)}" if times else "-")
+        rows.append(timed)
+    print_table(
+        "Multi-turn TTFT of the turns where the window acted (median; window step + prefill of the user ids; x turns)",
+        ["budget", *POLICIES],
+        rows,
+    )
+    checks = quality["mask_check_max_abs_logp"]
+    if checks:
+        print(
+            "check: uniform as a mask against the served eviction (evict_by_scores, gathered), 25% budget, "
+            f"conversation 0: max |log-prob difference| {max(checks):.2e} over {len(checks)} cases"
+        )
+
+
+def _size_for_95(cells: dict[float, dict[str, dict[str, float]]], kinds: tuple[str, ...], full: float) -> float | None:
+    curve = [(full, 1.0)]
+    for fraction in FRACTIONS:
+        measured = [cells[fraction][k] for k in kinds]
+        if all(c["n"] for c in measured):
+            size = sum(c["size"] for c in measured) / len(measured)
+            curve.append((size, sum(c["top1"] for c in measured) / len(measured)))
+    return size_for(curve, 0.95)
+
+
+def print_cost(recall: dict[str, Any]) -> None:
     t = recall["timings"]
     if t["scoring"]:
         plain = _mean(t["plain"]) if t["plain"] else None
@@ -470,8 +753,10 @@ def main() -> None:
             "an attention turn prefills its ids once, on the full cache, then evicts (SnapKV-style); an agnostic "
             "turn only gathers by its stored scores"
         )
-    print(f"total run time {time.perf_counter() - started:.0f} s")
-    write_json_file(args.json, {"benchmark": "window_quality", "recall": recall, "quality": quality}, engine)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 def _mean(values: list[float] | list[int]) -> float:

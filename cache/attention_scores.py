@@ -25,6 +25,7 @@ The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,9 @@ DEFAULT_POOL_KERNEL = 7
 
 
 class ObservationWindow:
-    """Captures the last `window_tokens` query states of every model layer while a prefill runs.
+    """Captures the last `window_tokens` query states of every full-attention model layer while a
+    prefill runs. A sliding-window layer gets no observer: its own window is the hard limit of what
+    it holds, which eviction never touches, so nothing past it is ever scored (or captured).
 
     Attach to a working cache before the prefill, detach after (`with` block). The captured states
     are `[1, heads, <= window_tokens, head_dim]` per model layer, in the model's dtype.
@@ -57,9 +60,10 @@ class ObservationWindow:
         self._queries: list[torch.Tensor | None] = [None] * len(self._layers)
         self._scaling: float | None = None
 
-    def __enter__(self) -> ObservationWindow:
+    def __enter__(self) -> Self:
         for index, layer in enumerate(self._layers):
-            layer.query_observer = self._observer(index)
+            if layer.window is None:
+                layer.query_observer = self._observer(index)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -156,8 +160,6 @@ class QueryLog(ObservationWindow):
 
     def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
         def capture(query: torch.Tensor, scaling: float | None) -> None:
-            if self._layers[index].window is not None:
-                return
             chunks = self._chunks[index]
             self._fed[index] += query.shape[2]
             chunks.append(query.clone())  # a decode step's one query: no copy of the log per step

@@ -12,8 +12,9 @@ counted per layer and the mean over heads and model layers becomes the layer's q
 remainder, so the quotas sum to what must be kept); then each head keeps its own top tokens within
 each layer's quota. So the layer table stays a list of contiguous runs (`LayerSpan.token_count`
 held, `evicted_tokens` gone) while the sets held differ per head (`SessionCache.own_stream_index`).
-Ada-KV (Feng et al., 2024) would also let the count differ per head; not done here (it needs
-ragged tensors or padding).
+Ada-KV (Feng et al., 2024) lets the count differ per head and PyramidKV (Cai et al., 2024) per
+model layer; both need ragged tensors, so they are measured as masks over the full cache
+(`cache.budget_allocation`, `benchmarks/window_quality.py`), not served.
 
     own slots, one head   | t0 (pinned) | t1 .......... | t2 .......... | t3 (recent) |
     evictable                           |<------------------------->|
@@ -93,10 +94,27 @@ def evict_by_scores(cache: SessionCache, scores: torch.Tensor, evict_tokens: int
         raise ValueError(f"scores have shape {tuple(scores.shape)}, expected {expected}")
     if evict_tokens == 0:
         return cache
-    own = scores[:, :, cache.base_tokens :].float()  # [L, kv, own]
-    quotas = _quotas(own, ranges, evictable - evict_tokens)
-    slots = _kept_slots(cache, own, ranges, quotas)  # [L, kv, kept]
+    slots, quotas = _kept(cache, scores, ranges, evictable - evict_tokens)
     return _gather(cache, slots, ranges, quotas)
+
+
+def kept_slots(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> torch.Tensor:
+    """`[full_model_layers, kv_heads, own_tokens - evict_tokens]` int64: the own slots each KV head of
+    each full model layer keeps under `evict_by_scores` (same arguments, same checks), ascending;
+    for callers that mask instead of gathering (`cache.budget_allocation`)."""
+    ranges = evictable_ranges(cache, recent_tokens)
+    evictable = sum(end - start for _, start, end in ranges)
+    if not 0 <= evict_tokens <= evictable:
+        raise ValueError(f"cannot evict {evict_tokens} tokens per head, {evictable} are evictable")
+    return _kept(cache, scores, ranges, evictable - evict_tokens)[0]
+
+
+def _kept(
+    cache: SessionCache, scores: torch.Tensor, ranges: list[tuple[int, int, int]], keep: int
+) -> tuple[torch.Tensor, list[int]]:
+    own = scores[:, :, cache.base_tokens :].float()  # [L, kv, own]
+    quotas = _quotas(own, ranges, keep)
+    return _kept_slots(cache, own, ranges, quotas), quotas  # [L, kv, kept]
 
 
 def _quotas(own: torch.Tensor, ranges: list[tuple[int, int, int]], keep: int) -> list[int]:
