@@ -198,6 +198,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
             policy=window.window_policy,
             recent_tokens=window.window_recent_tokens,
             observation_tokens=window.window_observation_tokens,
+            rebuild_chunk_tokens=window.window_rebuild_chunk_tokens,
         ),
         share_base=tier_config.share_base,
         reuse=reuse,

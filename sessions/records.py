@@ -87,6 +87,11 @@ class TurnStats:
     cache_tokens: int = 0
     """Tokens held in the session cache after the turn (window size); 0 when the turn kept none
     (a stop string cut the reply inside a token: the next turn rebuilds)."""
+    peak_tokens: int = 0
+    """Most tokens one working buffer of the turn held at once, from preparing its window to its
+    last token: a rebuild's kept past (under `attention`/`agnostic`, chunk by chunk: at most the
+    budget plus `window_rebuild_chunk_tokens`), an evicting turn's full cache with its prefill,
+    or the turn's own buffer (cache, prefill and reply)."""
     queue_s: float = 0.0
     """From submitting the turn to the engine loop to the first step that ran it (part of `ttft_s`)."""
     restore_choice: Literal["restore", "recompute"] | None = None

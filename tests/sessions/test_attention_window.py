@@ -23,6 +23,7 @@ from tests.conftest import make_settings
 SYSTEM = "You answer in one short sentence."
 MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
 BUDGET, RECENT = 200, 24
+CHUNK = 128  # window_rebuild_chunk_tokens in the test of the reservations
 
 
 def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
@@ -90,7 +91,7 @@ def test_tokens_are_evicted_per_head_while_every_turn_layer_and_the_base_stay(
 def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(
     tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with open_manager(tmp_path / "home", tiny_engine) as manager:
+    with open_manager(tmp_path / "home", tiny_engine, window_rebuild_chunk_tokens=CHUNK) as manager:
         # Reservations made on the turn's own thread (the engine loop's admission of the request
         # itself runs on the loop's thread and is not counted here).
         reserved: list[int] = []
@@ -119,7 +120,9 @@ def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(
         manager.evict_session(tenant, sid, "drop")
         reserved.clear()
         assert manager.chat(tenant, sid, MESSAGES[8], max_new_tokens=8).stats.restored_from == "rebuilt"
-        assert len(reserved) == 2  # the kept past's prefill, then the scoring copy
+        *chunks, scoring = reserved  # the kept past's chunks, then the scoring copy
+        assert len(chunks) >= 2 and all(n <= (BUDGET + CHUNK) * per_token for n in chunks), chunks
+        assert scoring > BUDGET * per_token // 2
         assert manager.internals.tiers.usage().reserved_device_bytes == 0  # every reservation was given back
 
 
@@ -217,9 +220,11 @@ def test_positions_past_the_model_limit_rebuild_the_window(
         assert all(after == "device" for before, after in itertools.pairwise(sources) if before == "rebuilt")
 
 
-def test_a_rebuild_without_a_stored_cache_evicts_by_attention(tmp_path: Path, tiny_engine: Engine) -> None:
+def test_a_rebuild_at_once_without_a_stored_cache_evicts_by_attention(tmp_path: Path, tiny_engine: Engine) -> None:
+    """`window_rebuild_chunk_tokens` 0 (the default): the kept past prefilled at once (chunked
+    rebuilds: tests/sessions/test_window_rebuild.py)."""
     home = tmp_path / "home"
-    with open_manager(home, tiny_engine) as manager:
+    with open_manager(home, tiny_engine, window_rebuild_chunk_tokens=0) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         for message in MESSAGES[:6]:
