@@ -120,9 +120,11 @@ def time_variant(
 ) -> dict[str, Any]:
     """Store the session's blob sealed as `variant` says, then time its restore, read and open."""
     name, chunk_bytes, streamed = variant
-    sealer, shared = manager.sealer, SharedBlobStore(store)
+    sealer, shared = manager.internals.sealer, SharedBlobStore(store)
     if chunk_bytes is None:
-        blob = whole_blob(manager.engine.fingerprint, manager.keys.data_key(key.tenant_id), key, cache)
+        blob = whole_blob(
+            manager.internals.engine.fingerprint, manager.internals.keys.data_key(key.tenant_id), key, cache
+        )
     else:
         sealer.chunk_bytes = chunk_bytes
         blob = sealer.seal_session(key, cache)
@@ -182,11 +184,11 @@ def measure_size(
         manager.chat(tenant, session, user_message(engine, 0, size - 60), max_new_tokens=8)
         tokens = manager.session_info(tenant, session).token_count
         key = CacheKey.for_session(TenantId(tenant.id), SessionId(session))
-        cache = manager.tiers.peek(key)
+        cache = manager.internals.tiers.peek(key)
         assert cache is not None, "the session's cache should be on the device after its turn"
         for parser, client in by_parser.items():
             store: RedisBlobStore[CacheKey] = RedisBlobStore(
-                client, manager.metadata, engine.fingerprint, CacheKey, prefix=prefix
+                client, manager.internals.metadata, engine.fingerprint, CacheKey, prefix=prefix
             )
             try:
                 for variant in variants:
@@ -197,7 +199,7 @@ def measure_size(
                     print(f"  {tokens} tokens, {parser}, {variant[0]}: {mb_s:.0f} MB/s (median)", flush=True)
             finally:
                 store.delete(key)
-                manager.sealer.chunk_bytes = CHUNK_BYTES
+                manager.internals.sealer.chunk_bytes = CHUNK_BYTES
     return results
 
 

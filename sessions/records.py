@@ -13,6 +13,11 @@ RestoreSource = Literal["new", "device", "host", "disk", "redis", "rebuilt"]
 """Where a turn found the session cache: `new` (first turn), a tier, or `rebuilt` by prefill from the
 transcript (no cache stored, the stored cache failed authentication, or another model fingerprint)."""
 FinishReason = Literal["stop", "length"]
+TIERS = ("device", "host", "disk")
+"""The tiers of a process that hold a session's cache: `cache.tiers.Tier`'s local values (not
+imported: `cache` imports torch). A Redis copy is shared among replicas (`RestoreSource`)."""
+EVICT_TARGETS = ("host", "disk", "drop")
+"""Where `SessionManager.evict_session` moves an idle session's cache: a lower tier, or away."""
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,15 @@ Two ways to the first new token:
 
 Either way the window step first makes the turn fit (`sessions.turn.window`: whole oldest turns
 demoted, or tokens evicted by attention under the `attention` policy).
-With `reuse_kv` off (a benchmark baseline) every turn takes the rebuild path without the pool.
+What is restored, pooled and kept is the `KvReuse` policy's (`NO_REUSE`, the benchmarks' baseline:
+every turn takes the rebuild path without the pool).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.lease import Lease
@@ -64,6 +65,41 @@ _TIER_SOURCES: dict[Tier, RestoreSource] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class KvReuse:
+    """What a turn keeps of the KV cache for the next: the policy the composition root hands the
+    preparer, the runner and the turn service. chatkv's own (`keeps`): a session's cache restored
+    from its tier (or, with `restore_or_recompute`, prefilled again when estimated cheaper:
+    `sessions.turn.costs`) and committed after the turn; base layers shared through the tenant's
+    prefix pool. `NO_REUSE`, the benchmarks' baseline, is a stateless server: every turn prefills
+    its whole conversation and nothing is kept."""
+
+    keeps: bool = True
+    restore_or_recompute: bool = False
+
+    def restore(self, lease: Lease) -> Restored:
+        return lease.restore() if self.keeps else Restored(None, None, 0.0)
+
+    def pooled_base(
+        self, tiers: TierManager, tenant_id: TenantId, key: PrefixKey, base_ids: tuple[int, ...]
+    ) -> tuple[BaseLayer, str] | None:
+        return tiers.find_base_layer(tenant_id, key, base_ids) if self.keeps else None
+
+    def adopt_base(self, lease: Lease, base: BaseLayer) -> BaseLayer:
+        return lease.adopt_base(base) if self.keeps else base
+
+    def keep(self, lease: Lease, cache: SessionCache | None) -> None:
+        """Commit the turn's cache; `None` (a stop string cut the reply inside what the cache
+        holds) discards the stored one, so the next turn rebuilds."""
+        if self.keeps and cache is not None:
+            lease.commit(cache)
+        elif self.keeps:
+            lease.discard()
+
+
+NO_REUSE = KvReuse(keeps=False)
+
+
 class TurnPreparer:
     """Prepares the turns of a `TurnRunner` (see the module docstring)."""
 
@@ -75,18 +111,16 @@ class TurnPreparer:
         tiers: TierManager,
         window: WindowPolicy,
         share_base: bool,
-        reuse_kv: bool,
-        restore_or_recompute: bool = False,
+        reuse: KvReuse,
     ) -> None:
         self.engine = engine
         self.costs = RestoreCosts()
-        self.restore_or_recompute = restore_or_recompute
         self.template = template
         self.tiers = tiers
         self.window = window
         self.fitting = TurnWindow(engine, window, accountant=tiers)
         self.share_base = share_base
-        self.reuse_kv = reuse_kv
+        self.reuse = reuse
 
     def base_key(self, tenant_id: TenantId, session_id: SessionId, base_ids: Sequence[int]) -> PrefixKey:
         """Pool key of a session's base: salted with the tenant (and the session when sharing is off)."""
@@ -112,12 +146,12 @@ class TurnPreparer:
         """
         if cancel is not None:
             cancel.check()
-        choice = self._restore_choice(lease, transcript) if self.reuse_kv and self.restore_or_recompute else None
+        choice = self._restore_choice(lease, transcript) if self.reuse.restore_or_recompute else None
         if choice is not None and choice.recompute:
             log.info("session %s: prefilling again is estimated cheaper than restoring its cache", session_id)
             restored = Restored(None, None, 0.0)
         else:
-            restored = lease.restore() if self.reuse_kv else Restored(None, None, 0.0)
+            restored = self.reuse.restore(lease)
             if restored.cache is not None and restored.source in _MEASURED:
                 self.costs.restored(restored.source.value, restored.cache.total_tokens, restored.seconds)
         cache = restored.cache
@@ -126,7 +160,7 @@ class TurnPreparer:
             lease.discard()
             cache = None
         source: RestoreSource = "rebuilt" if transcript.turns else "new"
-        if restored.cache is None and transcript.turns and self.reuse_kv:
+        if restored.cache is None and transcript.turns and self.reuse.keeps:
             log.info("session %s: no stored cache in any tier; rebuilding from the transcript", session_id)
         if cache is not None and restored.source is not None:
             source = _TIER_SOURCES[restored.source]
@@ -240,7 +274,7 @@ class TurnPreparer:
         conversation = self._conversation(transcript, user_text)
         ids = TurnIds.of_conversation(transcript, conversation)
         past_spans = _past_spans(conversation, transcript.pinned)
-        if self.window.policy in LOSSY_POLICIES and self.reuse_kv:
+        if self.window.policy in LOSSY_POLICIES and self.reuse.keeps:
             by_eviction = self._rebuild_by_eviction(
                 tenant_id, session_id, transcript, conversation, past_spans, ids.turn, params
             )
@@ -278,7 +312,7 @@ class TurnPreparer:
         if not base_ids:
             return None, None
         key = self.base_key(tenant_id, session_id, base_ids)
-        found = self.tiers.find_base_layer(tenant_id, key, base_ids) if self.reuse_kv else None
+        found = self.reuse.pooled_base(self.tiers, tenant_id, key, base_ids)
         if found is None:
             return None, PendingBase(key, base_ids)
         return found[0], None

@@ -37,7 +37,7 @@ def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionMana
 
 
 def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     return cache
 
@@ -58,14 +58,14 @@ def test_a_chunked_rebuild_never_holds_more_than_the_budget_plus_a_chunk(
         sid = conversed(manager, tenant, 9)
         manager.evict_session(tenant, sid, "drop")
         reserved: list[int] = []  # the buffers the turn's own thread prefills into
-        reserve = manager.tiers.reserve_device_bytes
+        reserve = manager.internals.tiers.reserve_device_bytes
 
         def recording(nbytes: int, *, force: bool) -> bool:
             if threading.current_thread() is threading.main_thread():
                 reserved.append(nbytes)
             return reserve(nbytes, force=force)
 
-        monkeypatch.setattr(manager.tiers, "reserve_device_bytes", recording)
+        monkeypatch.setattr(manager.internals.tiers, "reserve_device_bytes", recording)
         reply = manager.chat(tenant, sid, MESSAGES[9], max_new_tokens=8)
         cache = cache_of(manager, tenant, sid)
     assert reply.stats.restored_from == "rebuilt"
