@@ -148,14 +148,19 @@ class Forks:
 
     def _of_transcript(self, tenant_id: TenantId, parent: SessionId, cache: SessionCache) -> bool:
         """Whether the parent's cache was computed from the parent's transcript (through as many
-        turns as it holds): KV computed from another transcript is never reused."""
+        turns as it holds) as the template renders it now: KV computed from another transcript or
+        another rendering is never reused."""
         if not cache.layers or cache.layers[-1].turn_index is None:
             return False
         held_turns = cache.layers[-1].turn_index + 1
         transcript = self._transcripts.get(tenant_id, parent, self._registry.session_record(tenant_id, parent))
         if held_turns > len(transcript.turns):
             return False
-        return Transcript(transcript.system_prompt, transcript.turns[:held_turns]).digest == cache.transcript_digest
+        held = Transcript(transcript.system_prompt, transcript.turns[:held_turns])
+        # The rendering too: the fork's cache is stamped with the digest the template gives now, so
+        # KV of a rendering the parent's own next turn would refuse (a date in the system header,
+        # another template) would otherwise pass as the fork's.
+        return held.digest == cache.transcript_digest and self._rendering_digest(held) == cache.rendering_digest
 
     def _parent_cache(self, key: CacheKey) -> tuple[SessionCache, Tier] | None:
         """The parent's cache where it is (not moved), its base attached, and its tier."""

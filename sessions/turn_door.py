@@ -304,7 +304,8 @@ class TurnDoor:
         start: StartTurn,
     ) -> TurnStream:
         """Fork or open the step's session and run the turn there, deleting the session again
-        unless the turn completes."""
+        unless the turn completes (or another client's turn took the session before this one
+        could: it is theirs then)."""
         if isinstance(step, Fork):
             made = self._forks.fork(tenant_id, step.parent_id, step.turns, origin=step.origin)
             turn.session_id, turn.action, turn.turn_index = made.session_id, "fork", step.turns
@@ -319,15 +320,27 @@ class TurnDoor:
                 yield from self._run_steps(turn, tenant_id, target, again, erase, start)
                 return
             turn.session_id, turn.action, turn.turn_index = session_id, "new", len(step.history)
-        completed = False
+        completed = taken = False
         try:
             if turn.on_made is not None:
                 turn.on_made(turn.session_id)
-            for item in start(turn.session_id, None):
+            stream = start(turn.session_id, None)
+            try:
+                first = next(stream, None)
+            except SessionBusy:
+                # The made session is listed (and shown through `on_made`) before this turn holds
+                # it: a client whose turn took it first is using it, so it is not deleted under them.
+                taken = True
+                raise
+            if first is None:
+                return
+            completed = isinstance(first, Reply)
+            yield first
+            for item in stream:
                 completed = isinstance(item, Reply)
                 yield item
         finally:
-            if not completed:
+            if not completed and not taken:
                 with contextlib.suppress(ChatKVError):
                     self._delete(tenant_id, turn.session_id, erase=erase)
 

@@ -45,7 +45,8 @@ class TurnTarget:
 
     Raises:
         InvalidInput: for more than one of `session`, `previous_response`, `conversation`,
-            `new_session`; `fork_turns` without `session` or with `create`.
+            `new_session`; `fork_turns` without `session`, with `create`, or with a posted
+            `history` or `system_prompt`.
     """
 
     system_prompt: str | None = None
@@ -65,6 +66,9 @@ class TurnTarget:
             raise InvalidInput("a turn goes to one session, previous response or conversation, not several")
         if self.fork_turns is not None and (self.session is None or self.create):
             raise InvalidInput("fork_turns forks the session a turn names, which must exist")
+        if self.fork_turns is not None and (self.history or self.system_prompt is not None):
+            # The fork holds the parent's turns and system prompt: posted ones would be dropped unread.
+            raise InvalidInput("fork_turns keeps the parent's turns and system prompt: post neither")
         object.__setattr__(self, "history", tuple(self.history))  # its texts are checked where stored
 
 

@@ -15,10 +15,14 @@ released while it waits. No parsing of the value, no copy beyond the kernel's, n
 
 A reply is a view of the reader's buffer, valid until the next reply is read: the reader releases
 it then (a piece kept by mistake raises `ValueError` when used, instead of showing the next
-chunk's bytes). Errors are redis-py's own, so the store turns them into `RedisUnavailable` as it
-does any other: `ConnectionError` (closed mid-reply, socket error), `TimeoutError` (the socket's
-timeout, set by redis-py), `ResponseError` (an error reply), `InvalidResponse` (not a bulk string,
-or longer than `MAX_BULK_BYTES`).
+chunk's bytes). Only the view itself is released: a slice of it, or an array made over it
+(`numpy.frombuffer`, `torch.frombuffer`), stays valid and shows whatever is received next, so a
+consumer copies (or decrypts) a piece before it takes the next.
+
+Errors are redis-py's own, so the store turns them into `RedisUnavailable` as it does any other:
+`ConnectionError` (closed mid-reply, socket error), `TimeoutError` (the socket's timeout, set by
+redis-py), `ResponseError` (an error reply), `InvalidResponse` (not a bulk string, or longer than
+`MAX_BULK_BYTES`).
 """
 
 from __future__ import annotations

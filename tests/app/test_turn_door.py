@@ -14,7 +14,9 @@ from sqlalchemy import event
 from app.cli.sessions import _origin_text
 from app.http.server import build_app
 from app.ui.sessions import SessionLabels
+from sessions import Reply, SessionBusy, TurnOptions, TurnTarget
 from sessions.manager import Services, SessionManager
+from sessions.turn_door import PlannedTurn
 
 TOKEN = "door-test-token"
 SYSTEM = "You are terse."
@@ -122,3 +124,26 @@ def test_the_chat_page_s_turns_go_through_the_door(tiny_manager: SessionManager)
     assert listed[parent]["origin"] == "explicit" and listed[parent]["parent_id"] is None
     assert (listed[fork]["origin"], listed[fork]["parent_id"], listed[fork]["fork_turns"]) == ("fork", parent, 0)
     assert _origin_text(listed[fork]) == f"fork of {parent} after its first 0 turns"
+
+
+def test_a_made_session_another_client_took_first_is_not_deleted_under_it(tiny_manager: SessionManager) -> None:
+    """The session a turn makes is listed (and shown by the chat page through `on_made`) before
+    that turn holds it: a client that starts a turn on it first makes this turn `SessionBusy`, and
+    the door must not then delete the session under that client's turn."""
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    options = TurnOptions(max_new_tokens=4, temperature=0)
+    rivals: list[PlannedTurn] = []
+
+    def another_client_first(session_id: str) -> None:
+        rival = manager.run_turn(tenant, TurnTarget(session=session_id), "Me first.", options)
+        assert isinstance(rival.start(), str)  # it holds the session now
+        rivals.append(rival)
+
+    turn = manager.run_turn(tenant, TurnTarget(SYSTEM, new_session=True), "Hello.", options)
+    turn.on_made = another_client_first
+    with pytest.raises(SessionBusy):
+        turn.start()
+    (rival,) = rivals
+    assert isinstance(list(rival)[-1], Reply)
+    assert manager.session_info(tenant, str(rival.session_id)).message_count == 2

@@ -4,6 +4,7 @@ branches). Each fork's reply is compared with a full re-prefill of its conversat
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,24 @@ def run(turn: object) -> Reply:
     items = list(turn)  # type: ignore[call-overload]
     assert isinstance(items[-1], Reply)
     return items[-1]
+
+
+@pytest.mark.parametrize("turns", [3, 2])
+def test_a_parent_cache_rendered_otherwise_is_not_a_forks(tiny_manager: SessionManager, turns: int) -> None:
+    """A parent's cache whose rendering no longer matches the template's (a date in the system
+    header, another template) is refused by the parent's own next turn; a fork (at its latest turn,
+    sharing the whole cache, or earlier) must not take that KV under a freshly computed digest."""
+    manager = tiny_manager
+    tenant = manager.create_tenant("acme").id
+    parent = conversation(manager, tenant, 3)
+    key = key_of(tenant, parent)
+    cache = manager.internals.tiers.peek(key)
+    assert cache is not None
+    with manager.internals.tiers.lease(key) as lease:
+        lease.commit(replace(cache, rendering_digest="rendered-yesterday"))
+    fork = manager.fork(tenant, parent, turns)
+    expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
+    reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
+    assert reply.stats.restored_from == "rebuilt"
+    assert reply.token_ids == expected
+    assert manager.stats()["forks"] == {"rebuilt": 1.0}

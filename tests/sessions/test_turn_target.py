@@ -31,6 +31,14 @@ def test_a_fork_point_without_a_session_to_fork_is_invalid_input(names: dict[str
         TurnTarget(fork_turns=1, **names)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("posted", [{"history": [("u1", "a1")]}, {"system_prompt": "Be brief."}])
+def test_a_fork_point_with_a_posted_conversation_is_invalid_input(posted: dict[str, object]) -> None:
+    """A fork holds the parent's first turns under its system prompt: a posted history or system
+    prompt would be silently dropped (a plain `session` target checks them against the session's)."""
+    with pytest.raises(InvalidInput, match="fork_turns"):
+        TurnTarget(session="s_1", fork_turns=1, **posted)  # type: ignore[arg-type]
+
+
 def test_a_plan_says_what_its_first_step_does() -> None:
     target = TurnTarget("S", [("u1", "a1")])
     assert target.history == (("u1", "a1"),)

@@ -12,6 +12,7 @@ import torch
 
 from cache.session_cache import LayerKind, LayerSpan, SessionCache
 from cache.window_policy import WindowPolicy
+from sessions import Reply, TurnOptions, TurnTarget
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.turn.preparer import CHUNKED_REBUILD_SLACK, REBUILD_SLACK
@@ -214,3 +215,26 @@ def test_a_negative_chunk_is_refused_and_a_zero_one_does_not_chunk(tiny_engine: 
     at_once = TurnWindow(tiny_engine, WindowPolicy(200, "attention", rebuild_chunk_tokens=0))
     with pytest.raises(ValueError, match="rebuild_chunk_tokens >= 1"):
         at_once.prefill_evicting(tiny_engine.empty_cache(None), kept)
+
+
+@pytest.mark.parametrize("policy", ["attention", "agnostic"])
+def test_a_fork_at_the_latest_turn_while_the_parent_is_mid_turn_shares_a_cache_nobody_writes(
+    tmp_path: Path, tiny_engine: Engine, policy: str
+) -> None:
+    """The fork shares the parent's whole windowed cache (the same tensors); the parent's turn in
+    flight meanwhile evicts and scores in its own working copy, never in the shared tensors, so the
+    fork replies as one made (and answered) before that turn."""
+    with open_manager(tmp_path / "home", tiny_engine, window_policy=policy) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = conversed(manager, tenant, 8)
+        held = cache_of(manager, tenant, parent)
+        before = [t.clone() for t in (*held.own_keys, *held.own_values, *(held.own_scores or ()))]
+        early = manager.chat(tenant, manager.fork(tenant, parent, 8), MESSAGES[10], max_new_tokens=8)
+        turn = manager.run_turn(tenant, TurnTarget(session=parent), MESSAGES[9], TurnOptions(max_new_tokens=8))
+        assert isinstance(turn.start(), str)  # the parent's turn holds its lease, mid-reply
+        fork = manager.fork(tenant, parent, 8)
+        assert isinstance(list(turn)[-1], Reply)
+        after = [*held.own_keys, *held.own_values, *(held.own_scores or ())]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        forked = manager.chat(tenant, fork, MESSAGES[10], max_new_tokens=8)
+        assert forked.stats.restored_from == "device" and forked.token_ids == early.token_ids

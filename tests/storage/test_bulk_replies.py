@@ -5,6 +5,7 @@ servers (the store's chunk reads take this path, standalone and cluster)."""
 from __future__ import annotations
 
 import mmap
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -20,8 +21,8 @@ from storage.bulk_replies import MAX_BULK_BYTES, BulkReader, ReplyBuffers
 from storage.chunked_blobs import MAPPED_PAYLOAD_BYTES, open_chunked, payload_buffer, seal_chunked, split_frame
 from storage.metadata_store import MetadataStore
 from storage.redis_store import RedisUnavailable, _bulk_reader, connect_redis
-from tests.storage.conftest import S1
-from tests.storage.test_redis_chunks import aad, chunk_keys, frame, make_store, opened
+from tests.storage.conftest import S1, S2, Key
+from tests.storage.test_redis_chunks import DATA_KEY, aad, chunk_keys, frame, make_store, opened
 
 
 @pytest.fixture
@@ -208,3 +209,30 @@ def test_a_chunked_payload_over_the_mapping_size_opens_into_its_buffer() -> None
     sealed = seal_chunked(bytes(range(32)), payload, aad(S1), chunk_bytes=1 << 20)
     opened_payload = open_chunked(bytes(range(32)), *split_frame(sealed), [aad(S1)], max_payload_bytes=len(sealed))
     assert bytes(opened_payload) == payload
+
+
+def test_a_payload_opened_from_redis_never_shares_the_buffer_the_next_reads_reuse(
+    rows: MetadataStore, redis_url: str, redis_prefix: str
+) -> None:
+    """A restored cache's tensors view its payload (`codec.decode`); the chunks were received into
+    the store's reused buffers, so the payload must be memory of its own: reading other blobs
+    afterwards (into the same buffers) leaves it as it was."""
+    client = connect_redis(redis_url)
+    try:
+        store = make_store(client, rows, redis_prefix)
+        size = MAPPED_PAYLOAD_BYTES + 12345
+        payloads = {key: os.urandom(size) for key in (S1, S2)}
+        for key, payload in payloads.items():
+            store.put(key, seal_chunked(DATA_KEY, payload, aad(key), chunk_bytes=1 << 20))
+
+        def restored(key: Key) -> bytearray | mmap.mmap:
+            pieces = store.read(key)
+            return open_chunked(DATA_KEY, next(pieces), pieces, [aad(key)], max_payload_bytes=2 * size)
+
+        first = restored(S1)
+        tensor = torch.frombuffer(first, dtype=torch.uint8)  # as the codec views a payload
+        for _ in range(2):
+            assert bytes(restored(S2)) == payloads[S2]
+        assert bytes(first) == payloads[S1] and tensor.numpy().tobytes() == payloads[S1]
+    finally:
+        client.close()
