@@ -64,7 +64,7 @@ def system_prompt(engine: Engine, tokens: int) -> str:
 def first_message_for(engine: Engine, manager: SessionManager, system: str, session_tokens: int) -> str:
     """A first user message sized so that the session holds about `session_tokens` tokens after its
     first turn (system prompt, message, framing, a reply of `FIRST_REPLY_TOKENS`)."""
-    base = len(manager.template.system_prefix_ids(system))
+    base = len(manager.internals.template.system_prefix_ids(system))
     room = session_tokens - base - FIRST_REPLY_TOKENS - 8
     return user_message(engine, 3, max(room, 16), question="Answer in one sentence: what is this about?")
 
@@ -88,10 +88,10 @@ def capacity_run(
         for _ in range(sessions):
             sid = manager.open_session(tenant, system_prompt=system)
             reply = manager.chat(tenant, sid, message, max_new_tokens=FIRST_REPLY_TOKENS)
-            manager.flush()
+            manager.internals.tiers.flush()
             ids.append(sid)
             tokens.append(reply.stats.cache_tokens)
-            base_tokens = len(manager.template.system_prefix_ids(system))
+            base_tokens = len(manager.internals.template.system_prefix_ids(system))
         stats = manager.stats()
         device = stats["tiers"]["device"]
         tiers_after = {t: stats["tiers"][t]["sessions"] for t in ("device", "host", "disk")}
@@ -141,7 +141,7 @@ def ttft_run(engine: Engine, args: Any, root: Any, share: bool, runs: int) -> di
         for _ in range(runs):
             sid = manager.open_session(tenant, system_prompt=system)
             replies.append(manager.chat(tenant, sid, message, max_new_tokens=4))
-            manager.flush()
+            manager.internals.tiers.flush()
     naive = [naive_first_token(engine, chat_messages(system, [], message)) for _ in range(runs)] if share else []
     return {
         "share_base": share,

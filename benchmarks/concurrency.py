@@ -67,7 +67,9 @@ class Session:
     def __init__(self, manager: SessionManager, index: int, args: argparse.Namespace) -> None:
         self.tenant = manager.create_tenant(f"bench{index}")
         self.sid = manager.open_session(self.tenant, system_prompt=SYSTEM_PROMPT)
-        first = user_message(manager.engine, index, args.history_tokens - 60, QUESTIONS[index % len(QUESTIONS)])
+        first = user_message(
+            manager.internals.engine, index, args.history_tokens - 60, QUESTIONS[index % len(QUESTIONS)]
+        )
         reply = manager.chat(self.tenant, self.sid, first, max_new_tokens=48)
         self.history = [
             {"role": "system", "content": SYSTEM_PROMPT},
@@ -79,7 +81,7 @@ class Session:
 
 def prepare(manager: SessionManager, count: int, args: argparse.Namespace, offset: int = 0) -> list[Session]:
     sessions = [Session(manager, offset + i, args) for i in range(count)]
-    manager.flush()
+    manager.internals.tiers.flush()
     return sessions
 
 

@@ -46,7 +46,7 @@ def run(engine: Any, args: Any) -> dict[str, Any]:
         parent = m.open_session(tenant, SYSTEM_PROMPT)
         for index in range(args.turns):
             m.chat(tenant, parent, user_message(engine, index, args.message_tokens), max_new_tokens=REPLY_TOKENS)
-        cache = m.tiers.peek(CacheKey.for_session(tenant, parent))
+        cache = m.internals.tiers.peek(CacheKey.for_session(tenant, parent))
         assert cache is not None, "the parent's cache is on the device"
         cached_tokens = cache.total_tokens
         history = m.history(tenant, parent)

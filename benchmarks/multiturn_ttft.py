@@ -62,7 +62,7 @@ def chatkv_turn(
         elif first_piece is None:
             first_piece = time.perf_counter() - started
     assert reply is not None
-    manager.flush()  # the background write-back must not overlap the next measurement
+    manager.internals.tiers.flush()  # the background write-back must not overlap the next measurement
     return reply, first_piece if first_piece is not None else float("nan")
 
 

@@ -87,11 +87,11 @@ def build(manager: SessionManager, tenant: Any, messages: list[str], reply_token
     for message in messages[:-1]:
         manager.chat(tenant, sid, message, max_new_tokens=reply_tokens)
     key = CacheKey(tenant.id, sid)
-    cache = manager.tiers.peek(key)
+    cache = manager.internals.tiers.peek(key)
     assert cache is not None, "the session cache should be on the device"
     reply = manager.chat(tenant, sid, messages[-1], max_new_tokens=reply_tokens)
     prefill = manager.history(tenant, sid)[-2].token_ids  # the user message's prefilled ids
-    manager.flush()
+    manager.internals.tiers.flush()
     return Reference(cache, tuple(prefill), reply.token_ids, key)
 
 
@@ -147,7 +147,7 @@ def manager_path_reply(
         sid = m.open_session(tenant, system_prompt=SYSTEM_PROMPT)
         for message in messages[:-1]:
             m.chat(tenant, sid, message, max_new_tokens=reply_tokens)
-        m.tiers.flush()
+        m.internals.tiers.flush()
         m.evict_session(tenant, sid, "host")
         reply = m.chat(tenant, sid, messages[-1], max_new_tokens=reply_tokens)
     return reply.token_ids, reply.stats.restored_from
@@ -198,12 +198,12 @@ def main() -> None:
             tenant = manager.create_tenant("bench")
             sealers = {
                 p: EncryptedCacheSealer(
-                    manager.keys,
+                    manager.internals.keys,
                     engine.fingerprint,
                     engine.device,
                     p,
                     residual,
-                    max_payload_bytes=manager.sealer.max_payload_bytes,
+                    max_payload_bytes=manager.internals.sealer.max_payload_bytes,
                 )
                 for p in PRECISIONS
             }

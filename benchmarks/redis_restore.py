@@ -14,11 +14,16 @@ Variants, each timed `--repeats` times (median and best; the machine may be shar
 - chunked, joined: the chunked blob read whole (every chunk fetched, then joined) and then opened:
                    pipelining without the overlap.
 - chunked, streamed (1 / 2 / 4 MiB chunks): what the restore does: `SharedBlobStore.read` hands
-                   each chunk to the sealer as it arrives, which decrypts it into place while
-                   Redis sends the next ones.
+                   each chunk to the sealer as it arrives, received from the socket straight into
+                   a buffer the store reuses (issue 32), which decrypts it into place (a payload
+                   buffer mapped for it) while Redis sends the next ones.
+- 2 MiB streamed, before issue 32: the same with each chunk read by redis-py's reply parser (a new
+                   `bytes` per chunk) and decrypted into a `bytearray`, as before issue 32 (the
+                   two module functions swapped back for this row only: `before_issue_32`).
 
 Each with redis-py's pure-Python reply parser and with hiredis (a C extension redis-py uses when
-it is installed; `--parsers`). Beside each: "read only" (the store's pieces as it reads them,
+it is installed; `--parsers`; chunks bypass it since issue 32, so it matters for the manifest and
+the rows before issue 32). Beside each: "read only" (the store's pieces as it reads them,
 nothing opened or joined) and "open only" (the sealer on the whole blob already in memory), so the
 two costs can be told apart. MB/s = sealed blob bytes / seconds.
 
@@ -28,10 +33,11 @@ two costs can be told apart. MB/s = sealed blob bytes / seconds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
@@ -58,7 +64,7 @@ from cache.tiers import CacheKey
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.offload import SharedBlobStore
-from storage import codec
+from storage import chunked_blobs, codec, redis_store
 from storage.chunked_blobs import CHUNK_BYTES
 from storage.keyring import blob_aad, seal
 from storage.redis_store import READ_WINDOW, RedisBlobStore, connect_redis
@@ -83,10 +89,23 @@ def whole_blob(fingerprint: str, data_key: bytes, key: CacheKey, cache: SessionC
     return seal(data_key, payload, blob_aad(key.tenant_id, key.name, fingerprint, FORMAT_VERSION))
 
 
+@contextlib.contextmanager
+def before_issue_32() -> Iterator[None]:
+    """Chunks read by redis-py's reply parser and decrypted into a `bytearray`, as before issue 32."""
+    reader, buffer = redis_store._bulk_reader, chunked_blobs.payload_buffer
+    redis_store._bulk_reader, chunked_blobs.payload_buffer = (lambda connection, buffers: None), bytearray
+    try:
+        yield
+    finally:
+        redis_store._bulk_reader, chunked_blobs.payload_buffer = reader, buffer
+
+
+BEFORE_32 = f"chunked {CHUNK_BYTES // MiB} MiB, streamed, before issue 32"
 VARIANTS: list[tuple[str, int | None, bool]] = [
     ("single GET (before)", None, False),
     (f"chunked {CHUNK_BYTES // MiB} MiB, joined", CHUNK_BYTES, False),
     *[(f"chunked {mib} MiB, streamed", mib * MiB, True) for mib in (1, 2, 4)],
+    (BEFORE_32, CHUNK_BYTES, True),
 ]
 """(name, chunk bytes or None for a whole blob, read streamed)."""
 
@@ -101,9 +120,11 @@ def time_variant(
 ) -> dict[str, Any]:
     """Store the session's blob sealed as `variant` says, then time its restore, read and open."""
     name, chunk_bytes, streamed = variant
-    sealer, shared = manager.sealer, SharedBlobStore(store)
+    sealer, shared = manager.internals.sealer, SharedBlobStore(store)
     if chunk_bytes is None:
-        blob = whole_blob(manager.engine.fingerprint, manager.keys.data_key(key.tenant_id), key, cache)
+        blob = whole_blob(
+            manager.internals.engine.fingerprint, manager.internals.keys.data_key(key.tenant_id), key, cache
+        )
     else:
         sealer.chunk_bytes = chunk_bytes
         blob = sealer.seal_session(key, cache)
@@ -163,21 +184,22 @@ def measure_size(
         manager.chat(tenant, session, user_message(engine, 0, size - 60), max_new_tokens=8)
         tokens = manager.session_info(tenant, session).token_count
         key = CacheKey.for_session(TenantId(tenant.id), SessionId(session))
-        cache = manager.tiers.peek(key)
+        cache = manager.internals.tiers.peek(key)
         assert cache is not None, "the session's cache should be on the device after its turn"
         for parser, client in by_parser.items():
             store: RedisBlobStore[CacheKey] = RedisBlobStore(
-                client, manager.metadata, engine.fingerprint, CacheKey, prefix=prefix
+                client, manager.internals.metadata, engine.fingerprint, CacheKey, prefix=prefix
             )
             try:
                 for variant in variants:
-                    timing = time_variant(variant, manager, store, key, cache, args.repeats)
+                    with before_issue_32() if variant[0] == BEFORE_32 else contextlib.nullcontext():
+                        timing = time_variant(variant, manager, store, key, cache, args.repeats)
                     results.append({"size": size, "tokens": tokens, "parser": parser, **timing})
                     mb_s = timing["restore_mb_s_median"]
                     print(f"  {tokens} tokens, {parser}, {variant[0]}: {mb_s:.0f} MB/s (median)", flush=True)
             finally:
                 store.delete(key)
-                manager.sealer.chunk_bytes = CHUNK_BYTES
+                manager.internals.sealer.chunk_bytes = CHUNK_BYTES
     return results
 
 
@@ -209,6 +231,9 @@ def print_results(records: list[dict], sizes: list[int], parsers: list[str]) -> 
                 f"{size} tokens, {parser} parser: {default} {after:.0f} MB/s, single GET {before:.0f} MB/s: "
                 f"{after / before:.1f}x"
             )
+            if BEFORE_32 in of:
+                before = of[BEFORE_32]["restore_mb_s_median"]
+                print(f"  against {BEFORE_32}: {before:.0f} MB/s: {after / before:.2f}x")
 
 
 def main() -> None:

@@ -105,13 +105,13 @@ def measure_in_process(engine: Engine, home: Path, args: argparse.Namespace, bui
     tenant, session_id = built["tenant"], built["session"]
     with open_manager(home, engine, args.model_cache_dir) as manager:
         warm = manager.chat(tenant, session_id, WARM_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
-        manager.flush()
+        manager.internals.tiers.flush()
         cache_bytes = None
         if path == "host":
             manager.evict_session(tenant, session_id, "host")
             cache_bytes = manager.stats()["tiers"]["host"]["bytes"]
         reply = manager.chat(tenant, session_id, NEXT_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
-        manager.flush()
+        manager.internals.tiers.flush()
     return _result(reply, cache_bytes, warm=warm, page_cache=None)
 
 
@@ -166,8 +166,8 @@ def measure_from_redis(
         with open_manager(home, engine, args.model_cache_dir, replica_id="bench-a", **shared) as manager:
             warm = manager.chat(tenant, session_id, WARM_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
         with open_manager(other, engine, args.model_cache_dir, replica_id="bench-b", **shared) as manager:
-            assert manager.shared_store is not None
-            cache_bytes = manager.shared_store.nbytes(CacheKey(tenant, session_id))
+            assert manager.internals.shared_store is not None
+            cache_bytes = manager.internals.shared_store.nbytes(CacheKey(tenant, session_id))
             reply = manager.chat(tenant, session_id, NEXT_MESSAGE, max_new_tokens=NEXT_REPLY_TOKENS)
     finally:
         shutil.rmtree(other, ignore_errors=True)

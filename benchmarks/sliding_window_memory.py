@@ -94,26 +94,26 @@ def measure(manager: SessionManager, engine: Engine, tokens: int, reference: Any
     """One conversation of about `tokens` tokens; its bytes per tier and a turn restored from each."""
     tenant = manager.create_tenant(f"t{secrets.token_hex(3)}").id
     sid = manager.open_session(tenant, SYSTEM)
-    key = manager.tiers_key(tenant, sid)
+    key = manager.internals.tiers_key(tenant, sid)
     first = user_message(engine, 0, tokens)
     past = [
         PastTurn(first, (reply := manager.chat(tenant, sid, first, max_new_tokens=REPLY_TOKENS)).text, reply.token_ids)
     ]
-    out: dict[str, Any] = {"tokens": manager.tiers.peek(key).total_tokens}  # type: ignore[union-attr]
-    cache = manager.tiers.peek(key)
+    out: dict[str, Any] = {"tokens": manager.internals.tiers.peek(key).total_tokens}  # type: ignore[union-attr]
+    cache = manager.internals.tiers.peek(key)
     assert cache is not None
     out["device_bytes"] = cache.own_nbytes
     exact = True
     for tier, message in zip(("device", "host", "disk", "redis"), FOLLOW_UPS, strict=True):
         if tier in ("host", "disk"):
-            manager.flush()
+            manager.internals.tiers.flush()
             manager.evict_session(tenant, sid, tier)
-            out[f"{tier}_bytes"] = manager.tiers.entry_bytes(key)
+            out[f"{tier}_bytes"] = manager.internals.tiers.entry_bytes(key)
         elif tier == "redis":
-            if manager.shared_store is None:
+            if manager.internals.shared_store is None:
                 continue
-            manager.tiers.publish(key)
-            out["redis_bytes"] = manager.shared_store.nbytes(key)
+            manager.internals.tiers.publish(key)
+            out["redis_bytes"] = manager.internals.shared_store.nbytes(key)
             manager.evict_session(tenant, sid, "drop")
         reply = manager.chat(tenant, sid, message, max_new_tokens=REPLY_TOKENS)
         if reference is not None:
@@ -124,7 +124,7 @@ def measure(manager: SessionManager, engine: Engine, tokens: int, reference: Any
     # Regenerating the last reply: a fork at the turn before it. A sliding layer no longer holds
     # the window as it was there, so the windowed model rebuilds the fork by prefill; keeping a
     # window checkpoint per turn boundary would cost the bytes computed here instead.
-    last = manager.tiers.peek(key)
+    last = manager.internals.tiers.peek(key)
     assert last is not None
     fork = manager.fork(tenant, sid, at_turn=len(past) - 1)
     reply = manager.chat(tenant, fork, past[-1].user_text, max_new_tokens=REPLY_TOKENS)
@@ -137,7 +137,7 @@ def measure(manager: SessionManager, engine: Engine, tokens: int, reference: Any
 
 @torch.inference_mode()
 def expected_reply(manager: SessionManager, reference: Any, past: list[PastTurn], message: str) -> list[int]:
-    ids = torch.tensor([list(manager.template.conversation(SYSTEM, past, message).token_ids)])
+    ids = torch.tensor([list(manager.internals.template.conversation(SYSTEM, past, message).token_ids)])
     generated = reference.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=REPLY_TOKENS, do_sample=False
     )

@@ -130,7 +130,7 @@ def reference(manager: Any, tenant: Any, messages: list[str], reply_tokens: list
     replies = [manager.chat(tenant, sid, m, max_new_tokens=n) for m, n in zip(messages, reply_tokens, strict=True)]
     history = manager.history(tenant, sid)
     users = [m.token_ids for m in history if m.role == "user"]
-    base_ids = tuple(manager.template.system_prefix_ids(SYSTEM))
+    base_ids = tuple(manager.internals.template.system_prefix_ids(SYSTEM))
     first = users[0]
     if tuple(first[: len(base_ids)]) == base_ids:
         users[0] = first[len(base_ids) :]

@@ -67,7 +67,7 @@ def run_mode(
                 while manager.session_info(tenant, session_id).token_count < args.history_tokens - 60:
                     manager.chat(tenant, session_id, user_message(engine, index, 450), max_new_tokens=16)
                     index += 1
-            manager.flush()
+            manager.internals.tiers.flush()
             ttfts, prefills, sources = [], [], []
             for turn in range(args.turns):
                 message = f"Thank you ({turn}). Which of these texts did you find the most interesting?"

@@ -454,7 +454,15 @@ class SessionCache:
         W - 1 positions before it); its tail holds the last W - 1 positions of the cache, so the
         prefix is `None` (rebuilt) unless the tail still reaches back that far, as it does while the
         conversation is shorter than the window.
+
+        At the cache's own end (`stream_end == next_original_index`: a fork at the parent's latest
+        turn) nothing is cut: the whole cache is returned as it is, windowed or not (demoted turns,
+        evicted tokens with their `own_stream_index` and `own_scores`, re-rotated keys), so the
+        fork continues exactly as the parent would from the same cache, instead of rebuilding and
+        answering differently. Only cuts before the end need an unwindowed prefix.
         """
+        if self.layers and stream_end == self.next_original_index:
+            return replace(self, transcript_digest=transcript_digest, rendering_digest=rendering_digest)
         if self.own_stream_index is not None or not self.base_tokens <= stream_end <= self.next_original_index:
             return None
         layers: list[LayerSpan] = []

@@ -62,10 +62,11 @@ class CacheKey:
         return None if self.is_base else SessionId(self.name)
 
 
-SealedBlob = bytes | Generator[bytes, None, None]
+SealedBlob = bytes | Generator[bytes | memoryview, None, None]
 """A sealed blob as the sealer opens it: whole, or piece by piece as a store reads it (the shared
 tier: a chunked blob's header, then each sealed chunk in order), so that the sealer opens one
-piece while the store reads the next. Taking a piece may raise `BlobMissing`."""
+piece while the store reads the next. A piece is valid only until the next is taken (the store
+receives each into the buffer of the one before). Taking a piece may raise `BlobMissing`."""
 
 
 class BlobRejected(CacheError):
@@ -148,7 +149,7 @@ class SharedBlobStore(BlobStore, Protocol):
 
     def delete_tenant(self, tenant_id: TenantId) -> None: ...
 
-    def read(self, key: CacheKey) -> Generator[bytes, None, None]:
+    def read(self, key: CacheKey) -> Generator[bytes | memoryview, None, None]:
         """The blob of `key` piece by piece as it is read (see `SealedBlob`). Raises `BlobMissing`,
         while iterated, if the blob or a piece of it is absent or cannot be read."""
         ...

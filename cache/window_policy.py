@@ -64,22 +64,28 @@ class WindowPolicy:
         policy: `turns` (exact per layer: whole oldest turns go, `plan`), `attention` (lossy:
             tokens of unpinned turn layers are evicted by importance to the new turn, per KV head:
             `cache.token_eviction`; the rebuild path demotes whole turns only until the turn
-            fits 1.25x the budget, then evicts: `sessions/turn/preparer.py`)
-            or `agnostic` (lossy, the same eviction by scores fixed when earlier turns committed,
-            whatever is asked next: `sessions/turn/window.py`; its rebuild demotes whole turns).
+            fits the budget plus a share of it, then prefills that in chunks and evicts:
+            `sessions/turn/preparer.py`) or `agnostic` (lossy, the same eviction by scores fixed
+            when earlier turns committed, whatever is asked next: `sessions/turn/window.py`).
         recent_tokens: under `attention` and `agnostic`, most recent own tokens never evicted.
         observation_tokens: under `attention`, queries at the end of the new turn's prefill whose
             attention scores the cached tokens (`cache.attention_scores`).
+        rebuild_chunk_tokens: under `attention` and `agnostic`, a rebuild prefills its kept past
+            in chunks of this many tokens and evicts down to the budget after each, so it holds
+            at most `budget_tokens` plus a chunk (`sessions.turn.window.TurnWindow.prefill_evicting`);
+            0 (the default: better replies, benchmarks/window_rebuild.py) prefills it at once.
 
     Raises:
         ValueError: if `budget_tokens` is not positive, `policy` is unknown, `recent_tokens` is
-            negative (or, under a lossy policy, not below `budget_tokens`), or `observation_tokens < 1`.
+            negative (or, under a lossy policy, not below `budget_tokens`), `observation_tokens < 1`
+            or `rebuild_chunk_tokens < 0`.
     """
 
     budget_tokens: int
     policy: str = "turns"
     recent_tokens: int = 64
     observation_tokens: int = 32
+    rebuild_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_tokens <= 0:
@@ -93,6 +99,8 @@ class WindowPolicy:
             )
         if self.observation_tokens < 1:
             raise ValueError(f"window_observation_tokens must be >= 1, got {self.observation_tokens}")
+        if self.rebuild_chunk_tokens < 0:
+            raise ValueError(f"window_rebuild_chunk_tokens must be >= 0, got {self.rebuild_chunk_tokens}")
 
     def plan(
         self,

@@ -1,8 +1,9 @@
 """chatkv's public API: `SessionManager`, its `Settings`, the records it returns and its errors, and
-what the faces (`app/`: CLI, chat page, HTTP API) need beside them. `app/` imports from here only
+what the faces (`app/`: CLI, chat page, HTTP API) need beside them: `open_services` hands them
+the manager with the services beside it (`Services`). `app/` imports from here only
 (`from sessions import ...`); nothing under `sessions.` is its door.
 
-`SessionManager`, `SessionDetail`, `PlannedTurn` and `Route` (and with them torch and
+`SessionManager`, `Services`, `open_services`, `SessionDetail`, `PlannedTurn` and `Route` (and torch and
 transformers) are imported on first use, so a tool that only needs settings, records, error types
 or the admin operations (the admin CLI, offline or talking to a server) starts fast.
 """
@@ -14,12 +15,7 @@ from typing import TYPE_CHECKING, Any
 from cache.ids import SessionId, TenantId
 from sessions.admin import AdminOps, Json
 from sessions.cancellation import CancelToken
-from sessions.conversations import (
-    MAX_CONVERSATION_BYTES,
-    MAX_CONVERSATION_ITEMS,
-    ConversationRecord,
-    ConversationRecords,
-)
+from sessions.conversations import ConversationRecord, ConversationRecords
 from sessions.database import database_revision, head_revision, open_database, upgrade_database
 from sessions.errors import (
     BackendUnavailable,
@@ -51,30 +47,40 @@ from sessions.errors import (
 from sessions.home import (
     ADMIN_TOKEN_FILE,
     HomeLock,
-    HomeLockedError,
     admin_token,
     check_unlocked,
     describe_owner,
     read_owner,
     recovery_hint,
 )
-from sessions.idempotency import Claimed, InProgress, KeyReused, Replay
-from sessions.records import FinishReason, Message, Reply, RestoreResult, RestoreSource, SessionInfo, Tenant, TurnStats
-from sessions.registry import SESSION_ID_PREFIX, SESSION_NAME_RULE, check_session_name
-from sessions.responses import ResponsePoint, ResponseRecords
-from sessions.settings import MAX_DURATION_S, Settings, default_home, parse_duration_s
+from sessions.idempotency import Claimed, IdempotentRequests, InProgress, KeyReused, Replay
+from sessions.records import (
+    EVICT_TARGETS,
+    TIERS,
+    Message,
+    Reply,
+    RestoreResult,
+    RestoreSource,
+    SessionInfo,
+    Tenant,
+    TurnStats,
+)
+from sessions.registry import SESSION_NAME_RULE
+from sessions.settings import Settings, default_home, parse_duration_s
 from sessions.turn_options import TurnOptions
 from sessions.turn_target import TurnPlan, TurnTarget
-from sessions.validation import MAX_MESSAGE_CHARS, check_text, valid_id
+from sessions.validation import MAX_MESSAGE_CHARS, check_text
 
 if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
-    from sessions.manager import SessionManager
+    from sessions.manager import Services, SessionManager, open_services
     from sessions.replicas.routing import Route
     from sessions.turn_door import PlannedTurn
 
 _LAZY = {
     "SessionManager": "sessions.manager",
+    "Services": "sessions.manager",
+    "open_services": "sessions.manager",
     "SessionDetail": "sessions.catalogue",
     "PlannedTurn": "sessions.turn_door",
     "Route": "sessions.replicas.routing",
@@ -92,12 +98,10 @@ if not TYPE_CHECKING:  # a module `__getattr__` would let the type checker accep
 
 __all__ = [
     "ADMIN_TOKEN_FILE",
-    "MAX_CONVERSATION_BYTES",
-    "MAX_CONVERSATION_ITEMS",
-    "MAX_DURATION_S",
+    "EVICT_TARGETS",
     "MAX_MESSAGE_CHARS",
-    "SESSION_ID_PREFIX",
     "SESSION_NAME_RULE",
+    "TIERS",
     "AdminOps",
     "BackendUnavailable",
     "CancelToken",
@@ -109,11 +113,10 @@ __all__ = [
     "ConversationRecords",
     "ConversationTooLarge",
     "EngineStopped",
-    "FinishReason",
     "HistoryTooLong",
     "HomeLock",
     "HomeLocked",
-    "HomeLockedError",
+    "IdempotentRequests",
     "InProgress",
     "InvalidInput",
     "InvalidSettings",
@@ -129,11 +132,10 @@ __all__ = [
     "ReplicaRetired",
     "Reply",
     "ResponseNotFound",
-    "ResponsePoint",
-    "ResponseRecords",
     "RestoreResult",
     "RestoreSource",
     "Route",
+    "Services",
     "SessionBusy",
     "SessionDetail",
     "SessionExists",
@@ -155,7 +157,6 @@ __all__ = [
     "TurnTarget",
     "UnsupportedModel",
     "admin_token",
-    "check_session_name",
     "check_text",
     "check_unlocked",
     "database_revision",
@@ -163,9 +164,9 @@ __all__ = [
     "describe_owner",
     "head_revision",
     "open_database",
+    "open_services",
     "parse_duration_s",
     "read_owner",
     "recovery_hint",
     "upgrade_database",
-    "valid_id",
 ]

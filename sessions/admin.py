@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from cache.ids import SessionId, TenantId
 from sessions.errors import InvalidInput, ReplicaNotFound, SessionNotFound, TenantNotFound
+from sessions.records import EVICT_TARGETS, TIERS
 from sessions.registry import Placement, Registry
 from sessions.retention import Retention, check_retention_s, expires_at
 from sessions.settings import BUNDLED_MODEL_NAME, DEFAULT_MODEL, MAX_DURATION_S, Settings
@@ -39,9 +40,6 @@ if TYPE_CHECKING:
     from sessions.catalogue import SessionDetail
     from sessions.manager import SessionManager
 
-TIERS = ("device", "host", "disk")
-"""`cache.tiers.Tier`'s values (not imported: `cache` imports torch)."""
-EVICT_TARGETS = ("host", "disk", "drop")
 OFFLINE_STATS_NOTE = "turn counters are kept by the running server (use --server)"
 SUMMARY_CHARS = 120
 
@@ -74,7 +72,7 @@ class AdminOps:
     @classmethod
     def of(cls, manager: SessionManager) -> AdminOps:
         """Operations over a live manager (the server's); `close` leaves it open."""
-        return cls(manager.settings, manager.registry, lambda: manager, manager=manager, owns_manager=False)
+        return cls(manager.settings, manager.internals.registry, lambda: manager, manager=manager, owns_manager=False)
 
     @classmethod
     def open_home(cls, settings: Settings, load_manager: Callable[[], SessionManager] | None = None) -> AdminOps:
@@ -202,7 +200,7 @@ class AdminOps:
             "system_prompt": info.system_prompt,
             "transcript": _summary(messages),
             "model_fingerprint": info.model_fingerprint,
-            "model_fingerprint_matches": info.model_fingerprint == manager.engine.fingerprint,
+            "model_fingerprint_matches": info.model_fingerprint == manager.internals.engine.fingerprint,
             "last_ttft_s": detail.last_ttft_s,
             "cache_bytes": detail.cache_bytes,
             "base_tokens": detail.base_tokens,
@@ -339,7 +337,7 @@ class AdminOps:
         """Re-wrap every tenant's data key under a new master key (generated unless given)."""
         manager = self.manager
         key_id = manager.rotate_master_key(new_key)
-        return {"master_key_id": key_id, "from_env": manager.keys.master.from_env}
+        return {"master_key_id": key_id, "from_env": manager.internals.keys.master.from_env}
 
     def gc(self, *, dry_run: bool = False) -> Json:
         """Delete the implicit sessions and uncontinued forks whose idle TTL ran out
@@ -384,16 +382,11 @@ class AdminOps:
         """The live manager's retention (its clock, its sweeps' rules), else one over the
         database that loads a manager only to delete (caches in every tier go with a session)."""
         if self._manager is not None:
-            return self._manager.retention
-
-        def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:
-            record = self.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
-            return None if record is None else record.last_active_at
-
+            return self._manager.internals.histories.retention
         return Retention(
             history=HistoryStore(self.metadata.database),
             delete=lambda tenant_id, session_id: self.manager.delete_session(tenant_id, session_id),
-            last_active=last_active,
+            last_active=self.registry.last_active,
             default_retention_s=self.settings.implicit_retention_s,
         )
 
@@ -420,7 +413,7 @@ class AdminOps:
         """Where each session's cache is: the live manager's answer, else what the database says
         (on disk when a blob row names the session: what a manager adopts at start-up)."""
         if self._manager is not None:
-            return self._manager.registry.placement
+            return self._manager.internals.registry.placement
         rows = self.metadata.list_blobs(location=self.settings.disk_location())
         on_disk = {(b.tenant_id, b.session_id) for b in rows if b.session_id}
         return lambda tenant_id, session_id: "disk" if (tenant_id, session_id) in on_disk else None

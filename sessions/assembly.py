@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from datetime import datetime
-from typing import Any
 
 import torch
 from sqlalchemy import Engine as Database
@@ -44,7 +42,7 @@ from sessions.metrics import Metrics
 from sessions.model_cache import old_home_copy
 from sessions.model_source import load_model
 from sessions.offload import EncryptedCacheSealer, SharedBlobStore, TierBlobStore, max_payload_bytes
-from sessions.registry import Registry
+from sessions.registry import Registry, TenantRef
 from sessions.replicas.role import Replicas
 from sessions.replicas.startup import open_shared_store, replica_id_for, start_ownership
 from sessions.responses import ResponseRecords
@@ -54,6 +52,7 @@ from sessions.settings.settings import total_memory_bytes
 from sessions.tenants import Tenants
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import ChatTemplate
+from sessions.turn.preparer import NO_REUSE, KvReuse, TurnPreparer
 from sessions.turn.runner import TurnRunner
 from sessions.turn_door import TurnDoor
 from sessions.turn_service import TurnService
@@ -68,14 +67,33 @@ from storage.replica_store import ReplicaStore
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class ApiRecords:
+    """What the HTTP APIs keep beside sessions: services of their own, handed to the faces
+    (`sessions.Services`) rather than reached through the manager."""
+
+    responses: ResponseRecords
+    conversations: ConversationRecords
+    idempotency: IdempotentRequests
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryParts:
+    """The parts that find sessions by posted histories, fork them, plan turns and expire them."""
+
+    history: HistoryStore
+    forks: Forks
+    door: TurnDoor
+    retention: Retention
+
+
+@dataclass(frozen=True, slots=True)
 class ManagerParts:
     """The objects of one manager (see the module docstring)."""
 
     settings: Settings
     database: Database
     metadata: MetadataStore
-    idempotency: IdempotentRequests
     engine: Engine
     owns_engine: bool
     """Whether `assemble` loaded the engine (closed with the parts) or was handed it (shared: it
@@ -95,12 +113,12 @@ class ManagerParts:
     tenants: Tenants
     catalogue: SessionCatalogue
     turns: TurnService
-    history: HistoryStore
-    forks: Forks
-    door: TurnDoor
-    retention: Retention
-    responses: ResponseRecords
-    conversations: ConversationRecords
+    histories: HistoryParts
+    records: ApiRecords
+
+    def tiers_key(self, tenant: TenantRef, session_id: str) -> CacheKey:
+        """The tier manager's key of the tenant's session."""
+        return CacheKey.for_session(self.registry.tenant_id(tenant), SessionId(str(session_id)))
 
 
 def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
@@ -169,7 +187,9 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
     tiers = _tier_manager(tier_config, engine, sealer, disk_store, shared_store, metrics, replicas)
     remove_temp_files(settings.home)
     template = ChatTemplate(engine.tokenizer, engine.stop_token_ids)
-    runner = TurnRunner(
+    # `reuse_kv` off is the benchmarks' stateless baseline: a policy of its own, not a flag.
+    reuse = KvReuse(restore_or_recompute=settings.restore_or_recompute) if settings.reuse_kv else NO_REUSE
+    preparer = TurnPreparer(
         engine=engine,
         template=template,
         tiers=tiers,
@@ -178,89 +198,17 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
             policy=window.window_policy,
             recent_tokens=window.window_recent_tokens,
             observation_tokens=window.window_observation_tokens,
+            rebuild_chunk_tokens=window.window_rebuild_chunk_tokens,
         ),
         share_base=tier_config.share_base,
-        reuse_kv=settings.reuse_kv,
-        restore_or_recompute=settings.restore_or_recompute,
+        reuse=reuse,
     )
+    runner = TurnRunner(engine=engine, tiers=tiers, preparer=preparer)
     metrics.watch_tiers(tiers.usage)
     metrics.watch_engine(engine.loop.stats, runner.preparing_by_tenant)
     engine.loop.add_observer(metrics)
     transcripts = Transcripts(metadata, engine.tokenizer)
     registry = Registry(metadata, placement=lambda t, s: _tier_name(tiers.placement(CacheKey.for_session(t, s))))
-
-    tenants, catalogue, turns = _services(
-        settings, database, keys, engine, template, tiers, runner, transcripts, registry, replicas, metrics, disk_store
-    )
-    parts = ManagerParts(
-        settings=settings,
-        database=database,
-        metadata=metadata,
-        idempotency=IdempotentRequests(
-            database,
-            incarnation=lambda: replicas.incarnation,
-            live_within_s=replica_config.ownership_lease_s,
-        ),
-        engine=engine,
-        owns_engine=owns_engine,
-        context_budget_tokens=budget,
-        keys=keys,
-        metrics=metrics,
-        disk_store=disk_store,
-        shared_store=shared_store,
-        sealer=sealer,
-        tiers=tiers,
-        template=template,
-        runner=runner,
-        transcripts=transcripts,
-        registry=registry,
-        replicas=replicas,
-        tenants=tenants,
-        catalogue=catalogue,
-        turns=turns,
-        **_history_parts(settings, database, replicas, registry, tiers, transcripts, template, metrics, catalogue),
-    )
-    if replicas.replica_id is not None:
-        invalidate = _local_invalidation(transcripts, tiers)
-
-        def queued_turns() -> int:
-            return sum(engine.loop.stats().waiting.values())
-
-        replicas.start(
-            start_ownership(
-                replica_config, ReplicaStore(database), replicas.replica_id, tiers, invalidate, queued_turns
-            )
-        )
-    startup_log.ready(started)
-    return parts
-
-
-def _load_engine(model: ModelConfig) -> Engine:
-    """The engine of `model` (its device and dtype resolved for this machine), logged as it loads."""
-    device = resolve_device(model.device)
-    dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
-    loading = startup_log.model_loading(model.model, device, dtype)
-    engine = Engine(load_model(model.model, model.model_cache_dir, device, dtype))
-    startup_log.model_loaded(engine, loading)
-    return engine
-
-
-def _services(
-    settings: Settings,
-    database: Database,
-    keys: TenantKeys,
-    engine: Engine,
-    template: ChatTemplate,
-    tiers: TierManager,
-    runner: TurnRunner,
-    transcripts: Transcripts,
-    registry: Registry,
-    replicas: Replicas,
-    metrics: Metrics,
-    disk_store: DiskBlobStore[CacheKey],
-) -> tuple[Tenants, SessionCatalogue, TurnService]:
-    """The three objects behind the manager's methods, over the parts `assemble` built."""
-    metadata = registry.metadata
 
     def forget_caches(tenant_id: TenantId) -> None:
         runner.cancel_requests(tenant_id)
@@ -287,8 +235,8 @@ def _services(
         replicas=replicas,
         fingerprint=engine.fingerprint,
         max_context_tokens=engine.max_context_tokens,
-        context_budget_tokens=settings.window_config().budget_tokens(engine.max_context_tokens),
-        pin_first_turn=settings.window_config().pin_first_turn,
+        context_budget_tokens=budget,
+        pin_first_turn=window.pin_first_turn,
     )
     turns = TurnService(
         registry=registry,
@@ -299,24 +247,16 @@ def _services(
         replicas=replicas,
         metrics=metrics,
         fingerprint=engine.fingerprint,
-        reuse_kv=settings.reuse_kv,
+        reuse=reuse,
     )
-    return tenants, catalogue, turns
-
-
-def _history_parts(
-    settings: Settings,
-    database: Database,
-    replicas: Replicas,
-    registry: Registry,
-    tiers: TierManager,
-    transcripts: Transcripts,
-    template: ChatTemplate,
-    metrics: Metrics,
-    catalogue: SessionCatalogue,
-) -> dict[str, Any]:
-    """The parts that find sessions by posted histories, fork them, expire them, and the stored
-    responses that point into them."""
+    # Stored responses and conversations: each may keep a session the other let go of.
+    conversations = ConversationRecords(
+        database, release_session=lambda tenant_id, session_id: responses.release_session(tenant_id, session_id)
+    )
+    responses = ResponseRecords(database, delete_session=catalogue.delete, held_by_conversation=conversations.holds)
+    idempotency = IdempotentRequests(
+        database, incarnation=lambda: replicas.incarnation, live_within_s=replica_config.ownership_lease_s
+    )
     history = HistoryStore(database)
     forks = Forks(
         registry=registry,
@@ -327,50 +267,73 @@ def _history_parts(
         replicas=replicas,
         metrics=metrics,
     )
-
-    def last_active(tenant_id: TenantId, session_id: SessionId) -> datetime | None:
-        record = registry.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
-        return record.last_active_at if record is not None else None
-
-    records = _response_parts(database, registry, catalogue)
-    return {
-        "history": history,
-        "forks": forks,
-        "door": TurnDoor(
-            history=history,
-            registry=registry,
-            tiers=tiers,
-            forks=forks,
-            fork_histories=settings.fork_sessions,
-            open_session=catalogue.open,
-            delete_session=catalogue.delete,
-            responses=records["responses"],
-            conversations=records["conversations"],
-            replicas=replicas,
-            metrics=metrics,
-        ),
-        "retention": Retention(
-            history=history,
-            delete=catalogue.delete,
-            last_active=last_active,
-            default_retention_s=settings.implicit_retention_s,
-            hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
-        ),
-        **records,
-    }
-
-
-def _response_parts(database: Database, registry: Registry, catalogue: SessionCatalogue) -> dict[str, Any]:
-    """Stored responses and conversations: each may keep a session the other let go of."""
-    conversations = ConversationRecords(
-        database, release_session=lambda tenant_id, session_id: responses.release_session(tenant_id, session_id)
-    )
-    responses = ResponseRecords(
-        database,
+    door = TurnDoor(
+        history=history,
+        registry=registry,
+        tiers=tiers,
+        forks=forks,
+        fork_histories=settings.fork_sessions,
+        open_session=catalogue.open,
         delete_session=catalogue.delete,
-        held_by_conversation=conversations.holds,
+        responses=responses,
+        conversations=conversations,
+        replicas=replicas,
+        metrics=metrics,
     )
-    return {"responses": responses, "conversations": conversations}
+    retention = Retention(
+        history=history,
+        delete=catalogue.delete,
+        last_active=registry.last_active,
+        default_retention_s=settings.implicit_retention_s,
+        hold=lambda tenant_id, session_id: _idle(tiers, CacheKey.for_session(tenant_id, session_id)),
+    )
+    parts = ManagerParts(
+        settings=settings,
+        database=database,
+        metadata=metadata,
+        engine=engine,
+        owns_engine=owns_engine,
+        context_budget_tokens=budget,
+        keys=keys,
+        metrics=metrics,
+        disk_store=disk_store,
+        shared_store=shared_store,
+        sealer=sealer,
+        tiers=tiers,
+        template=template,
+        runner=runner,
+        transcripts=transcripts,
+        registry=registry,
+        replicas=replicas,
+        tenants=tenants,
+        catalogue=catalogue,
+        turns=turns,
+        histories=HistoryParts(history, forks, door, retention),
+        records=ApiRecords(responses, conversations, idempotency),
+    )
+    if replicas.replica_id is not None:
+        invalidate = _local_invalidation(transcripts, tiers)
+
+        def queued_turns() -> int:
+            return sum(engine.loop.stats().waiting.values())
+
+        replicas.start(
+            start_ownership(
+                replica_config, ReplicaStore(database), replicas.replica_id, tiers, invalidate, queued_turns
+            )
+        )
+    startup_log.ready(started)
+    return parts
+
+
+def _load_engine(model: ModelConfig) -> Engine:
+    """The engine of `model` (its device and dtype resolved for this machine), logged as it loads."""
+    device = resolve_device(model.device)
+    dtype = resolve_dtype(model.dtype, probe_device(device, total_memory_bytes()))
+    loading = startup_log.model_loading(model.model, device, dtype)
+    engine = Engine(load_model(model.model, model.model_cache_dir, device, dtype))
+    startup_log.model_loaded(engine, loading)
+    return engine
 
 
 @contextmanager

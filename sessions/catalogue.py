@@ -24,7 +24,7 @@ from sessions.errors import (
     SessionExists,
     SessionNotFound,
 )
-from sessions.records import RestoreResult, SessionInfo
+from sessions.records import EVICT_TARGETS, RestoreResult, SessionInfo
 from sessions.registry import SESSION_ID_PREFIX, Registry, check_session_name
 from sessions.replicas.role import Replicas
 from sessions.transcripts import Transcripts
@@ -279,7 +279,7 @@ class SessionCatalogue:
     def evict(self, tenant_id: TenantId, session_id: str, to: str) -> str | None:
         """Move an idle session's cache down; see `SessionManager.evict_session`."""
         record = self._registry.session_record(tenant_id, session_id)
-        if to not in ("host", "disk", "drop"):
+        if to not in EVICT_TARGETS:
             raise InvalidInput(f"evict target must be host, disk or drop, got {to!r}")
         try:
             tier = self._tiers.evict(

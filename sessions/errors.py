@@ -206,15 +206,19 @@ class UnsupportedModel(ModelUnavailable):
 
 class HomeLocked(ChatKVError):
     """Another process holds the chatkv home: a running server, or a process with its own
-    `SessionManager` open (one process owns a home). The message names the holder and says how to
-    reach it instead."""
+    `SessionManager` open (one process owns a home). `holder` names it in words, `url` is its
+    server's (`None`: an embedding process without one), `recovery` says what to do about a stale
+    lock; the message says how to reach the holder instead (`advice`)."""
 
     http_status = 409
 
+    def __init__(self, holder: str, url: str | None, recovery: str, advice: str = "") -> None:
+        super().__init__(f"{holder} holds this home{'; ' + advice if advice else ''} ({recovery})")
+        self.holder, self.url, self.recovery = holder, url, recovery
+
     @classmethod
     def held_by(cls, holder: str, url: str | None, recovery: str) -> HomeLocked:
-        """The error for a `SessionManager` refused a home: `holder` in words, the holder's server
-        `url` (`None`: an embedding process without one), `recovery` for a stale lock."""
+        """The error for a `SessionManager` refused a home."""
         if url:
             advice = (
                 f"use its HTTP API at {url} from this process instead "
@@ -225,7 +229,7 @@ class HomeLocked(ChatKVError):
                 "share that process's manager, or run `chatkv serve` on this home and have every "
                 "process use its HTTP API (POST /v1/chat/completions)"
             )
-        return cls(f"{holder} holds this home; a second SessionManager cannot open it: {advice} ({recovery})")
+        return cls(holder, url, recovery, f"a second SessionManager cannot open it: {advice}")
 
 
 class KeyMismatch(ChatKVError):

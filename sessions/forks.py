@@ -9,9 +9,18 @@ The fork's rows (messages with their exact ids, turn digests, pins) are copied i
 reply ends (`SessionCache.prefix`): the same tensors, sliced, since caches are immutable values
 (no copy; the fork's first turn copies what it keeps into its own working buffer, as every turn
 does). The parent's cache is read where it is, without moving it or taking its lease, so a parent
-busy with a turn is forked from the version before that turn. A prefix that was windowed (a
-demoted or evicted turn, a quantised layer) is not reused: the fork rebuilds from its transcript,
-as a window change does, so a fork replies exactly like a fresh session with the same history.
+busy with a turn is forked from the version before that turn.
+
+    fork point                     parent's cache          the fork's cache
+    the parent's latest turn       any (windowed or not)   the whole cache, as it is: the fork
+                                                           replies as the parent would
+    an earlier turn                nothing windowed        the prefix, sliced
+    an earlier turn                windowed before it      none: rebuilt from the transcript
+
+A prefix cut before the end of a windowed cache (a demoted or evicted turn, a quantised layer,
+under the `turns`, `attention` and `agnostic` policies alike) is not reused: the fork rebuilds
+from its transcript, as a window change does, so it replies exactly like a fresh session with the
+same history (and, when that history outgrows the budget, windows it by its own rebuild).
 """
 
 from __future__ import annotations

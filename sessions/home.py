@@ -8,23 +8,16 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+from sessions.errors import HomeLocked
+from storage import home_lock
 from storage.atomic_files import write_atomic
-from storage.home_lock import (
-    HomeLock,
-    HomeLockedError,
-    LockOwner,
-    check_unlocked,
-    describe_owner,
-    read_owner,
-    recovery_hint,
-)
+from storage.home_lock import HomeLockedError, LockOwner, describe_owner, read_owner, recovery_hint
 
 ADMIN_TOKEN_FILE = "admin.token"
 
 __all__ = [
     "ADMIN_TOKEN_FILE",
     "HomeLock",
-    "HomeLockedError",
     "LockOwner",
     "admin_token",
     "check_unlocked",
@@ -43,3 +36,23 @@ def admin_token(home: Path, configured: str | None) -> str:
     if not path.exists():
         write_atomic(path, secrets.token_urlsafe(32).encode() + b"\n", mode=0o600)
     return path.read_text().strip()
+
+
+def check_unlocked(home: Path) -> None:
+    """Raises `HomeLocked` if another live process (a server, or one with a `SessionManager` open)
+    holds `home`."""
+    try:
+        home_lock.check_unlocked(home)
+    except HomeLockedError as exc:
+        raise HomeLocked(exc.holder, exc.owner.url, exc.recovery) from None
+
+
+class HomeLock(home_lock.HomeLock):
+    """`storage.home_lock.HomeLock`, refusing a home another live process holds with `HomeLocked`."""
+
+    def acquire(self) -> HomeLock:
+        try:
+            super().acquire()
+        except HomeLockedError as exc:
+            raise HomeLocked(exc.holder, exc.owner.url, exc.recovery) from None
+        return self

@@ -16,23 +16,28 @@ the work, one job each, and every method here checks its arguments and hands ove
     tenants     sessions.tenants.Tenants             tenants and their keys
     catalogue   sessions.catalogue.SessionCatalogue  sessions: open, delete, pin, inspect, restore, evict
     turns       sessions.turn_service.TurnService    turns: run, store, commit
+    door        sessions.turn_door.TurnDoor          where a turn runs: continue, fork or new, here or not
     replicas    sessions.replicas.Replicas           this process's part among replicas
-    responses   sessions.responses.ResponseRecords   stored responses (Responses API): points in sessions
-    conversations sessions.conversations.ConversationRecords  conversations: sessions with durable ids
     registry    sessions.registry.Registry           records and lookups (torch-free)
+
+The HTTP APIs' records (stored responses, conversations, idempotency keys) and the metrics are
+services of their own beside the manager: `open_services` hands them to the faces as `Services`.
+Tests look inside through `SessionManager.internals` only.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, Unpack
 
 from cache.ids import SessionId
-from cache.tiers import LOCAL_TIERS, CacheKey
+from cache.tiers import CacheKey
 from sessions.assembly import ManagerParts, assemble, close_parts
 from sessions.cancellation import CancelToken
 from sessions.catalogue import MAX_TITLE_CHARS, SessionDetail
+from sessions.conversations import ConversationRecords
 from sessions.engine import Engine
 from sessions.errors import (
     BackendUnavailable,
@@ -43,21 +48,24 @@ from sessions.errors import (
     SessionNotFound,
     TenantNotFound,
 )
+from sessions.home import HomeLock
+from sessions.idempotency import IdempotentRequests
+from sessions.metrics import Metrics
 from sessions.records import Message, Reply, RestoreResult, SessionInfo, Tenant
 from sessions.registry import TenantRef
 from sessions.replicas.routing import Route
+from sessions.responses import ResponseRecords
 from sessions.retention import SWEEP_INTERVAL_S, RetentionSweeper, check_retention_s
 from sessions.settings import Settings
 from sessions.turn_door import PlannedTurn
 from sessions.turn_options import TurnOptionKeywords, TurnOptions
 from sessions.turn_target import TurnPlan, TurnTarget
 from sessions.validation import MAX_MESSAGE_CHARS, check_text
-from storage.home_lock import HomeLock, HomeLockedError
 from storage.keyring import BadMasterKey, KeyRingError
 from storage.redis_store import RedisUnavailable
 from storage.replica_store import ReplicaIdInUse
 
-__all__ = ["MAX_MESSAGE_CHARS", "MAX_TITLE_CHARS", "SessionManager", "TenantRef"]
+__all__ = ["MAX_MESSAGE_CHARS", "MAX_TITLE_CHARS", "Services", "SessionManager", "TenantRef", "open_services"]
 
 CLOSE_LEASE_WAIT_S = 30.0
 """How long `close()` waits for cancelled turns to release their sessions."""
@@ -88,8 +96,8 @@ class SessionManager:
         try:
             # Start-up migrates and reconciles the stores: never on a home another process owns.
             self._home_lock.acquire()
-        except HomeLockedError as exc:
-            raise HomeLocked.held_by(exc.holder, exc.owner.url, exc.recovery) from None
+        except HomeLocked as exc:
+            raise HomeLocked.held_by(exc.holder, exc.url, exc.recovery) from None
         try:
             self._parts: ManagerParts = _assemble(settings, engine)
         except BaseException:  # a failed start (bad model, bad settings) must not keep the home
@@ -97,27 +105,6 @@ class SessionManager:
             raise
         self._closed = False
         self._sweeper: RetentionSweeper | None = None
-        parts = self._parts
-        # The parts operators and tests reach for by name.
-        self.engine = parts.engine
-        self.metadata = parts.metadata
-        self.idempotency = parts.idempotency
-        self.responses = parts.responses
-        self.conversations = parts.conversations
-        self.keys = parts.keys
-        self.metrics = parts.metrics
-        self.tiers = parts.tiers
-        self.template = parts.template
-        self.runner = parts.runner
-        self.registry = parts.registry
-        self.retention = parts.retention
-        self.sealer = parts.sealer
-        self.disk_store = parts.disk_store
-        self.shared_store = parts.shared_store
-        self.context_budget_tokens = parts.context_budget_tokens
-        self.replica_id = parts.replicas.replica_id
-        self.ownership = parts.replicas.ownership
-        self._db = parts.database
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -138,10 +125,6 @@ class SessionManager:
         finally:
             self._home_lock.release()
 
-    def flush(self) -> None:
-        """Wait until the background write-back has stored every finished turn's cache on disk."""
-        self._parts.tiers.flush()
-
     def __enter__(self) -> SessionManager:
         return self
 
@@ -155,6 +138,22 @@ class SessionManager:
     @property
     def model_name(self) -> str:
         return self._parts.engine.loaded.name
+
+    @property
+    def context_budget_tokens(self) -> int:
+        """A session's context window in tokens (`Settings.context_budget_tokens`, or a share of the model's)."""
+        return self._parts.context_budget_tokens
+
+    @property
+    def replica_id(self) -> str | None:
+        """This process's replica id; `None` for a single process."""
+        return self._parts.replicas.replica_id
+
+    @property
+    def internals(self) -> ManagerParts:
+        """The composition root's parts (`sessions.assembly`), for tests and benchmarks that look
+        inside; no face reaches them (`tests/test_package_shape.py`)."""
+        return self._parts
 
     # -- tenants -------------------------------------------------------------------------------
 
@@ -241,25 +240,7 @@ class SessionManager:
             InvalidInput: if `at_turn` is not between 0 and the session's turn count.
         """
         self._check_open()
-        return self._parts.forks.fork(self._parts.registry.tenant_id(tenant), session_id, at_turn).session_id
-
-    def find_sessions_by_history(
-        self, tenant: TenantRef, system_prompt: str | None, turns: Sequence[tuple[str, str]]
-    ) -> list[SessionId]:
-        """The tenant's sessions whose history is exactly `system_prompt` and `turns` (user text,
-        reply text as it was returned: `Reply.text`), most recently active first: one keyed query
-        on the history digest (`storage.history_digest`). Without turns there is nothing to reuse
-        and nothing is found. Sessions from before the digest existed are never found.
-
-        A found session may move on before its next turn: continue it with
-        `stream_chat(..., expected_turns=len(turns))`.
-        """
-        registry = self._parts.registry
-        return registry.find_by_history(registry.tenant_id(tenant), system_prompt, turns)
-
-    def tiers_key(self, tenant: TenantRef, session_id: str) -> CacheKey:
-        """The tier manager's key of a session (for operators and tests)."""
-        return CacheKey.for_session(self._parts.registry.tenant_id(tenant), SessionId(str(session_id)))
+        return self._parts.histories.forks.fork(self._parts.registry.tenant_id(tenant), session_id, at_turn).session_id
 
     def list_sessions(self, tenant: TenantRef | None = None) -> list[SessionInfo]:
         """The tenant's sessions, most recently active first (`None`: every tenant's, for operators)."""
@@ -417,7 +398,7 @@ class SessionManager:
             InvalidInput: a posted system prompt or history that is not the named session's.
         """
         self._check_open()
-        return self._parts.door.plan(self._parts.registry.tenant_id(tenant), target, forwarded=forwarded)
+        return self._parts.histories.door.plan(self._parts.registry.tenant_id(tenant), target, forwarded=forwarded)
 
     def run_turn(
         self,
@@ -441,7 +422,7 @@ class SessionManager:
         options = TurnOptions.of(options, keywords)
         _check_message(message)
         tenant_id = self._parts.registry.tenant_id(tenant)
-        turns, door = self._parts.turns, self._parts.door
+        turns, door = self._parts.turns, self._parts.histories.door
 
         def start(session_id: SessionId, expected_turns: int | None) -> Generator[str | Reply, None, None]:
             if cancel is not None:
@@ -458,13 +439,13 @@ class SessionManager:
     def expire_sessions(self) -> int:
         """Delete the implicit sessions and uncontinued forks whose idle TTL ran out
         (`sessions.retention`); `chatkv serve` does it every few minutes. Returns how many."""
-        return len(self._parts.retention.expire())
+        return len(self._parts.histories.retention.expire())
 
     def start_retention_sweeps(self, interval_s: float = SWEEP_INTERVAL_S) -> None:
         """Expire sessions now and every `interval_s` in a background thread until `close()`
         (`chatkv serve` does). A second call changes nothing."""
         if self._sweeper is None:
-            self._sweeper = RetentionSweeper(self._parts.retention, interval_s)
+            self._sweeper = RetentionSweeper(self._parts.histories.retention, interval_s)
 
     def set_tenant_retention(self, tenant: TenantRef, retention_s: float | None) -> None:
         """The tenant's own idle TTL of implicit sessions and forks, in seconds (`None`: the
@@ -475,7 +456,7 @@ class SessionManager:
         """
         retention_s = check_retention_s(retention_s)
         tenant_id = self._parts.registry.tenant_id(tenant)
-        if not self._parts.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
+        if not self._parts.histories.history.set_retention(tenant_id=tenant_id, retention_s=retention_s):
             raise TenantNotFound(str(tenant_id))
 
     # -- replicas ------------------------------------------------------------------------------
@@ -495,10 +476,7 @@ class SessionManager:
         if session_id is not None:
             with contextlib.suppress(SessionNotFound):  # the turn itself makes it, or answers 404
                 key = CacheKey.for_session(tenant_id, SessionId(registry.session_record(tenant_id, session_id).id))
-        return self._routed(key, forwarded)
-
-    def _routed(self, key: CacheKey | None, forwarded: bool) -> Route:
-        return self._parts.door.route(key, forwarded)
+        return self._parts.histories.door.route(key, forwarded)
 
     def forward_failed(self, route: Route, error: str) -> Route:
         """A forward that never reached `route.url` (`error`: why, one line): the turn runs here
@@ -522,58 +500,41 @@ class SessionManager:
         self._parts.replicas.set_url(url)
 
     def stats(self) -> dict[str, Any]:
-        """Sessions and bytes per tier (`copies`: sessions placed higher whose copy the tier also
-        holds, the write-back's disk copies; their bytes count), budgets, cache hit rate, prefill
-        tokens saved, evictions;
-        `prompt_tokens_by_tenant`: each tenant's prompt tokens served from cache and prefilled
-        since start (by tenant id); `forks`: forks by the tier their cache came from."""
-        usage = self._parts.tiers.usage()
-        m = self._parts.metrics
-
-        def value(counter: Any, *labels: str) -> float:
-            return float(counter.labels(*labels)._value.get()) if labels else float(counter._value.get())
-
-        queries = value(m.cache_queries, "tokens")
-        evictions = {
-            f"{s.value}->{t}": value(m.evictions, s.value, t)
-            for s in LOCAL_TIERS
-            for t in ("host", "disk", "dropped")
-            if value(m.evictions, s.value, t)
-        }
-        return {
-            "tiers": {
-                t.value: {
-                    "sessions": usage.sessions[t],
-                    "copies": usage.copies.get(t, 0),
-                    "bytes": usage.bytes[t],
-                    "budget_bytes": usage.budgets[t],
-                    "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),
-                }
-                for t in LOCAL_TIERS
-            },
-            "base_layers_in_pool": len(self._parts.tiers.pool),
-            "cache_hit_rate_tokens": value(m.cache_hits, "tokens") / queries if queries else 0.0,
-            "prefill_tokens": value(m.prefill_tokens),
-            "prefill_tokens_saved": value(m.prefill_tokens_saved),
-            "evictions": evictions,
-            "integrity_failures": sum(value(m.integrity_failures, t.value) for t in LOCAL_TIERS),
-            "prompt_tokens_by_tenant": {
-                tenant_id: {
-                    "cached_tokens": cached,
-                    "prefilled_tokens": prefilled,
-                    "hit_rate_tokens": cached / (cached + prefilled) if cached + prefilled else 0.0,
-                }
-                for tenant_id, (cached, prefilled) in sorted(m.tenant_tokens().items())
-            },
-            "forks": {
-                source: value(m.forks, source)
-                for source in ("device", "host", "disk", "redis", "rebuilt", "new")
-                if value(m.forks, source)
-            },
+        """What `chatkv stats` shows: `Metrics.stats` (tiers, budgets, cache hit rate, prefill
+        tokens saved, evictions, per-tenant prompt tokens, forks) and the model's name,
+        fingerprint and context budget in tokens."""
+        parts = self._parts
+        return parts.metrics.stats(parts.tiers.usage(), len(parts.tiers.pool)) | {
             "model": self.model_name,
-            "model_fingerprint": self._parts.engine.fingerprint,
-            "context_budget_tokens": self._parts.context_budget_tokens,
+            "model_fingerprint": parts.engine.fingerprint,
+            "context_budget_tokens": parts.context_budget_tokens,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What the composition root hands the faces (the HTTP API, the chat page, the CLI): the
+    manager, and the services beside it that the faces take as they are, never through the
+    manager. They live as long as the manager: `manager.close()` ends them all."""
+
+    manager: SessionManager
+    responses: ResponseRecords
+    """Stored responses of the Responses API: points in sessions."""
+    conversations: ConversationRecords
+    """Conversations of the Conversations API: sessions with durable ids and items."""
+    idempotency: IdempotentRequests
+    """`Idempotency-Key`s of the turn routes and their recorded answers."""
+    metrics: Metrics
+    """The Prometheus series `/metrics` renders."""
+
+
+def open_services(settings: Settings | None = None, *, engine: Engine | None = None) -> Services:
+    """A `SessionManager` on `settings` (see it for the arguments and errors) with the services
+    its composition root built beside it."""
+    manager = SessionManager(settings, engine=engine)
+    parts = manager.internals
+    records = parts.records
+    return Services(manager, records.responses, records.conversations, records.idempotency, parts.metrics)
 
 
 def _check_message(message: str) -> None:

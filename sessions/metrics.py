@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -17,10 +18,12 @@ from cache.budgets import TierUsage
 from cache.ids import TenantId
 from cache.tiers import LOCAL_TIERS, Tier
 from sessions.engine.loop import BUSY_WINDOW_S, LoopStats
+from sessions.records import RestoreSource
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
+_TO = ("host", "disk", "dropped")
 
 
 class _TierCollector(Collector):
@@ -250,6 +253,51 @@ class Metrics:
         (what `chatkv stats` shows per tenant, whatever the label settings)."""
         with self._tenant_tokens_lock:
             return dict(self._tenant_tokens)
+
+    def stats(self, usage: TierUsage, pooled_bases: int) -> dict[str, Any]:
+        """`SessionManager.stats` less the model's fields: sessions and bytes per tier (`copies`:
+        sessions placed higher whose copy the tier also holds, the write-back's disk copies; their
+        bytes count), budgets, cache hit rate, prefill tokens saved, evictions;
+        `prompt_tokens_by_tenant`: each tenant's prompt tokens served from cache and prefilled
+        since start (by tenant id); `forks`: forks by the tier their cache came from.
+
+        Args:
+            usage: the tier manager's now; pooled_bases: base layers in the prefix pool.
+        """
+
+        def value(name: str, **labels: str) -> float:
+            return self.registry.get_sample_value(f"chatkv_{name}_total", labels) or 0.0
+
+        queries = value("cache_queries", unit="tokens")
+        moved = {f"{s.value}->{t}": value("evictions", source=s.value, target=t) for s in LOCAL_TIERS for t in _TO}
+        forks = {source: value("forks", source=source) for source in get_args(RestoreSource)}
+        return {
+            "tiers": {
+                t.value: {
+                    "sessions": usage.sessions[t],
+                    "copies": usage.copies.get(t, 0),
+                    "bytes": usage.bytes[t],
+                    "budget_bytes": usage.budgets[t],
+                    "budget_used": usage.bytes[t] / max(1, usage.budgets[t]),
+                }
+                for t in LOCAL_TIERS
+            },
+            "base_layers_in_pool": pooled_bases,
+            "cache_hit_rate_tokens": value("cache_hits", unit="tokens") / queries if queries else 0.0,
+            "prefill_tokens": value("prefill_tokens"),
+            "prefill_tokens_saved": value("prefill_tokens_saved"),
+            "evictions": {name: n for name, n in moved.items() if n},
+            "integrity_failures": sum(value("integrity_failures", tier=t.value) for t in LOCAL_TIERS),
+            "prompt_tokens_by_tenant": {
+                tenant_id: {
+                    "cached_tokens": cached,
+                    "prefilled_tokens": prefilled,
+                    "hit_rate_tokens": cached / (cached + prefilled) if cached + prefilled else 0.0,
+                }
+                for tenant_id, (cached, prefilled) in sorted(self.tenant_tokens().items())
+            },
+            "forks": {source: n for source, n in forks.items() if n},
+        }
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry (with the `replica` label, if any)."""

@@ -23,6 +23,7 @@ Errors are translated the same way for the stores: `storage`'s `BlobNotFound` be
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Generator
 from contextlib import closing
 from typing import TYPE_CHECKING
@@ -135,7 +136,7 @@ class EncryptedCacheSealer:
             raise BlobRejected("the blob was made with another model")
         return tensors, header
 
-    def _payload(self, key: CacheKey, blob: SealedBlob) -> bytes | bytearray:
+    def _payload(self, key: CacheKey, blob: SealedBlob) -> bytes | bytearray | mmap.mmap:
         """The plaintext payload of a chunked blob (whole, or in pieces: its header, then its
         chunks, each decrypted as it arrives) or of a blob sealed whole before chunking."""
         data_key = self._keys.data_key(key.tenant_id)
@@ -147,7 +148,7 @@ class EncryptedCacheSealer:
         with closing(blob):
             head = next(blob, b"")
             if not is_chunked(head):  # a value written before chunking comes as one piece
-                return self._open_whole(key, data_key, head)
+                return self._open_whole(key, data_key, bytes(head))  # the manifest's value: bytes, not copied
             # `blob` is asked for its first chunk only once the header authenticated.
             return open_chunked(data_key, head, blob, self._aads(key), max_payload_bytes=self.max_payload_bytes)
 
@@ -262,8 +263,9 @@ class SharedBlobStore(TierBlobStore):
         """Every blob of the tenant in Redis (call it before the tenant's rows are deleted)."""
         self.redis.delete_tenant(tenant_id)
 
-    def read(self, key: CacheKey) -> Generator[bytes, None, None]:
-        """The blob piece by piece as Redis sends it (`RedisBlobStore.read`). Raises `BlobMissing`,
+    def read(self, key: CacheKey) -> Generator[bytes | memoryview, None, None]:
+        """The blob piece by piece as Redis sends it (`RedisBlobStore.read`: each piece valid until
+        the next is taken). Raises `BlobMissing`,
         while iterated, if it or one of its chunks is absent or Redis fails, mid-read included."""
         try:
             yield from self.redis.read(key)

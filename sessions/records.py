@@ -13,6 +13,11 @@ RestoreSource = Literal["new", "device", "host", "disk", "redis", "rebuilt"]
 """Where a turn found the session cache: `new` (first turn), a tier, or `rebuilt` by prefill from the
 transcript (no cache stored, the stored cache failed authentication, or another model fingerprint)."""
 FinishReason = Literal["stop", "length"]
+TIERS = ("device", "host", "disk")
+"""The tiers of a process that hold a session's cache: `cache.tiers.Tier`'s local values (not
+imported: `cache` imports torch). A Redis copy is shared among replicas (`RestoreSource`)."""
+EVICT_TARGETS = ("host", "disk", "drop")
+"""Where `SessionManager.evict_session` moves an idle session's cache: a lower tier, or away."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,11 @@ class TurnStats:
     cache_tokens: int = 0
     """Tokens held in the session cache after the turn (window size); 0 when the turn kept none
     (a stop string cut the reply inside a token: the next turn rebuilds)."""
+    peak_tokens: int = 0
+    """Most tokens one working buffer of the turn held at once, from preparing its window to its
+    last token: a rebuild's kept past (under `attention`/`agnostic`, chunk by chunk: at most the
+    budget plus `window_rebuild_chunk_tokens`), an evicting turn's full cache with its prefill,
+    or the turn's own buffer (cache, prefill and reply)."""
     queue_s: float = 0.0
     """From submitting the turn to the engine loop to the first step that ran it (part of `ttft_s`)."""
     restore_choice: Literal["restore", "recompute"] | None = None

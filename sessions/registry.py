@@ -103,6 +103,11 @@ class Registry:
             raise SessionNotFound(str(session_id))
         return record
 
+    def last_active(self, tenant_id: TenantId, session_id: SessionId) -> datetime | None:
+        """When the session last ran a turn (or was made); `None` once it is gone."""
+        record = self.metadata.get_session(tenant_id=tenant_id, session_id=session_id)
+        return None if record is None else record.last_active_at
+
     def info(self, record: SessionRecord) -> SessionInfo:
         """The public record of a session, with where its cache is now."""
         return SessionInfo(

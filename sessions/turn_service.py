@@ -30,6 +30,7 @@ from sessions.replicas.role import Replicas
 from sessions.transcripts import Transcripts
 from sessions.turn.chat_template import PastTurn
 from sessions.turn.completion import TurnOutcome
+from sessions.turn.preparer import KvReuse
 from sessions.turn.runner import TurnRunner
 from sessions.turn.transcript import Transcript
 from sessions.turn_options import TurnOptions
@@ -54,7 +55,8 @@ class TurnService:
         replicas: the ownership lease held around a turn among replicas.
         metrics: counts every stored turn.
         fingerprint: the model's, recorded with each turn.
-        reuse_kv: keep each turn's cache (off: a benchmark baseline that rebuilds every turn).
+        reuse: what each turn keeps of its cache (`NO_REUSE`: a benchmark baseline that rebuilds
+            every turn).
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class TurnService:
         replicas: Replicas,
         metrics: Metrics,
         fingerprint: str,
-        reuse_kv: bool,
+        reuse: KvReuse,
     ) -> None:
         self._registry = registry
         self._metadata = metadata
@@ -78,7 +80,7 @@ class TurnService:
         self._replicas = replicas
         self._metrics = metrics
         self._fingerprint = fingerprint
-        self._reuse_kv = reuse_kv
+        self._reuse = reuse
 
     def stream(
         self,
@@ -106,11 +108,7 @@ class TurnService:
                     raise SessionBusy(f"session {sid} moved on: it has {len(transcript.turns)} turns")
                 outcome = yield from self._run(tenant_id, sid, transcript, message, options, lease, cancel)
                 self._store(tenant_id, sid, transcript, message, outcome, owner)
-                if self._reuse_kv:
-                    if outcome.cache is not None:
-                        lease.commit(outcome.cache)
-                    else:  # a stop string cut the reply inside what the cache holds: rebuilt next turn
-                        lease.discard()
+                self._reuse.keep(lease, outcome.cache)
         except LeaseHeld:  # only the lease's entry raises it: another turn holds the session
             raise SessionBusy(f"session {sid} has a turn in flight; wait for its reply") from None
         yield outcome.reply

@@ -32,6 +32,7 @@ cache is rebuilt from its transcript, as for any blob that does not authenticate
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Iterable, Sequence
@@ -58,6 +59,8 @@ BLOB_ID_BYTES = 16
 _HEADER = struct.Struct(f"<{len(CHUNKED_MAGIC)}s{BLOB_ID_BYTES}sIIQ{TAG_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _HEADER_NONCE = b"\xff" * NONCE_BYTES
+MAPPED_PAYLOAD_BYTES = 2 * 1024 * 1024
+"""A payload at least this long is decrypted into a memory mapping of its own (`payload_buffer`)."""
 _KDF_INFO = b"chatkv-chunked-blob"
 
 
@@ -242,6 +245,25 @@ def open_header(
     return header, cipher, header.authenticate(cipher, blob_aads)
 
 
+def payload_buffer(nbytes: int) -> bytearray | mmap.mmap:
+    """A zeroed, writable buffer of `nbytes` bytes that a payload is decrypted into and its tensors
+    then view (`storage.codec.decode`): from `MAPPED_PAYLOAD_BYTES` on, private anonymous memory
+    (`mmap`), else a `bytearray`.
+
+    Why: the buffer is new memory every time (the restored cache keeps it), and faulting it in
+    cost as much as receiving and decrypting it (a 186 MB payload: 290 of a 660 ms Redis restore
+    at load 5.5, issue 32). A `bytearray` is zeroed by the kernel on each fault and then once more
+    by CPython; a fresh mapping only by the kernel. Not advised for transparent huge pages: they
+    cut the faults 4x for back-to-back restores, but on a VM that hands freed 2 MiB blocks back to
+    its host (free page reporting) a restore seconds after the last took 0.8-2.3 s instead of
+    0.3-0.6 s (benchmarks/README.md, `redis_restore.py`, 2026-12-03).
+    """
+    if nbytes < MAPPED_PAYLOAD_BYTES:
+        return bytearray(nbytes)
+    # Private: a shared anonymous mapping is shmem, whose pages the process does not own alone.
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def open_chunked(
     data_key: bytes,
     head: bytes | memoryview,
@@ -249,9 +271,10 @@ def open_chunked(
     blob_aads: Sequence[bytes],
     *,
     max_payload_bytes: int,
-) -> bytearray:
-    """The payload of a chunked blob, each chunk decrypted into place as it comes from `chunks`
-    (so a reader fetching the next chunks overlaps with this).
+) -> bytearray | mmap.mmap:
+    """The payload of a chunked blob (in a `payload_buffer`), each chunk decrypted into place as
+    it comes from `chunks` (so a reader fetching the next chunks overlaps with this). A chunk is
+    used before the next is taken, so a reader may hand each in the buffer of the one before.
 
     `head` is the frame's header, `chunks` its sealed chunks in order (not asked for before the
     header authenticated: `open_header`); `blob_aads` the associated data the blob may be bound
@@ -263,7 +286,7 @@ def open_chunked(
             another write, out of its place); fewer or more chunks than the header says.
     """
     header, cipher, blob_aad = open_header(data_key, head, blob_aads, max_payload_bytes=max_payload_bytes)
-    payload = bytearray(header.payload_bytes)
+    payload = payload_buffer(header.payload_bytes)
     view, count = memoryview(payload), 0
     for index, sealed in enumerate(chunks):
         if index >= header.chunk_count:

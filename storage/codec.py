@@ -6,7 +6,7 @@ version, model fingerprint, token ids, layer table) travels as one JSON string u
 metadata key `chatkv`.
 
 Decoding reads the safetensors layout itself so that the tensors can be views of the payload
-buffer: a chunked blob is decrypted into one `bytearray` (`storage.chunked_blobs`), and its
+buffer: a chunked blob is decrypted into one buffer (`storage.chunked_blobs.payload_buffer`), and its
 tensors are made without copying it again (safetensors' own loader copies every tensor: one more
 pass over a 90 MB cache, which on a loaded machine costs as much as its decryption).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 import sys
 from typing import Any
@@ -49,15 +50,16 @@ def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> bytes:
     return save(tensors, metadata={METADATA_KEY: json.dumps(header, separators=(",", ":"))})
 
 
-def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def decode(data: bytes | bytearray | mmap.mmap) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and header of a payload from `encode`. Raises `CodecError` on any malformation.
 
-    A `bytearray` is decoded in place: its tensors are views of it (they keep it alive, and
-    writing to one writes to it). `bytes` are copied once into a `bytearray` first.
+    A `bytearray` or writable `mmap` (`storage.chunked_blobs.payload_buffer`) is decoded in place:
+    its tensors are views of it (they keep it alive, and writing to one writes to it). `bytes` are
+    copied once into a `bytearray` first.
     """
     if sys.byteorder != "little":  # frombuffer reads native order; safetensors' loader swaps bytes
         return _decode_copying(bytes(data))
-    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    buffer = data if isinstance(data, bytearray | mmap.mmap) else bytearray(data)
     try:
         (length,) = struct.unpack_from("<Q", buffer, 0)
         if length > len(buffer) - 8:
@@ -72,7 +74,7 @@ def decode(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str, 
     return tensors, header
 
 
-def _tensor(buffer: bytearray, data_start: int, spec: dict[str, Any]) -> torch.Tensor:
+def _tensor(buffer: bytearray | mmap.mmap, data_start: int, spec: dict[str, Any]) -> torch.Tensor:
     """The tensor `spec` (safetensors: dtype, shape, data offsets from `data_start`) as a view of `buffer`."""
     dtype = _DTYPES[spec["dtype"]]
     shape = [int(size) for size in spec["shape"]]

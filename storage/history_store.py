@@ -199,11 +199,6 @@ class HistoryStore(Repository):
                 raise SessionGone(parent_id) from exc  # the tenant went meanwhile
             raise AlreadyExists(f"session name taken: {name}") from exc
 
-    def session_by_name(self, *, tenant_id: str, name: str) -> str | None:
-        """The id of the tenant's session the client called `name`, or `None`."""
-        with self._unit() as db:
-            return db.scalar(select(SessionRow.id).where(SessionRow.tenant_id == tenant_id, SessionRow.name == name))
-
     def set_retention(self, *, tenant_id: str, retention_s: float | None) -> bool:
         """Set the tenant's idle TTL of implicit sessions and forks (`None`: the server's).
         Returns whether the tenant exists."""

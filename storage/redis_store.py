@@ -14,13 +14,14 @@ the old manifest that GET returns names the previous write's chunks, deleted nex
 draws a new blob id, so it never overwrites chunks a reader may be reading). A read GETs the
 manifest, then its chunks over one connection with `READ_WINDOW` GETs in flight, handing each
 chunk to the caller as it arrives (`read`), so the chunk before is decrypted while Redis sends
-the next. A missing chunk reads as a missing blob. The store holds no data key, so it never
-trusts a manifest's chunk count: chunk keys are made one at a time as they are read or deleted,
-a reader authenticates the header before it asks for the first chunk
-(`storage.chunked_blobs.open_header`), and a deletion stops at a batch of keys of which none
-exists. A forged manifest claiming billions of chunks costs nothing more. Any other value (a
-whole blob sealed before chunking, or bytes of a test) is one string under the manifest's key,
-as before. `SET … GET` and `GETDEL` need Redis 6.2 or later.
+the next; each chunk is received from the socket straight into a buffer the store keeps between
+reads (`storage.bulk_replies`: no new memory per chunk, which cost as much as the transfer). A
+missing chunk reads as a missing blob. The store holds no data key, so it never trusts a
+manifest's chunk count: chunk keys are made one at a time as they are read or deleted, a reader
+authenticates the header before it asks for the first chunk (`storage.chunked_blobs.open_header`),
+and a deletion stops at a batch of keys of which none exists. A forged manifest claiming billions
+of chunks costs nothing more. Any other value (a whole blob sealed before chunking, or bytes of a
+test) is one string under the manifest's key, as before. `SET … GET` and `GETDEL` need Redis 6.2 or later.
 
 The `cache_blobs` rows at location `"redis"` say what is where (rows written by every replica
 sharing the database; `nbytes` counts every chunk); a TTL on every key, and an optional byte
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Set
@@ -54,7 +56,8 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from storage.blob_stores import BlobNotFound, K, _check_name
-from storage.chunked_blobs import HEADER_BYTES, ChunkedHeader, is_chunked, split_frame
+from storage.bulk_replies import BulkReader, ReplyBuffers
+from storage.chunked_blobs import HEADER_BYTES, MAX_CHUNK_BYTES, TAG_BYTES, ChunkedHeader, is_chunked, split_frame
 from storage.errors import StorageError
 from storage.keyring import AuthenticationFailed
 from storage.metadata_store import BlobRecord, MetadataStore
@@ -97,6 +100,20 @@ def _chunk_keys(manifest_key: str, manifest: bytes | None) -> Iterator[str]:
         return
     for index in range(header.chunk_count):
         yield chunk_key(manifest_key, header.blob_id, index)
+
+
+def _bulk_reader(connection: object, buffers: ReplyBuffers) -> BulkReader | None:
+    """A reader of `connection`'s replies straight from its socket, or `None` (read them through
+    redis-py) for a connection without one.
+
+    redis-py has no public way to receive a reply into a caller's buffer, nor to reach a pooled
+    connection's socket: `_sock` is the attribute every one of its socket connections (TCP, TLS,
+    Unix) keeps it in, set by `connect()`, which the pool calls before handing a connection out;
+    its parser has then nothing buffered (the pool reconnects one that has). Were it renamed, the
+    chunks would be read through redis-py again, slower but the same
+    (`tests/storage/test_bulk_replies.py` checks that the socket is found)."""
+    sock = getattr(connection, "_sock", None)
+    return BulkReader(sock, buffers) if isinstance(sock, socket.socket) else None
 
 
 class RedisUnavailable(StorageError):
@@ -230,6 +247,7 @@ class RedisBlobStore(Generic[K]):
         self._down_lock = threading.Lock()
         self.retry_after_s = retry_after_s
         self._breaker = CircuitBreaker(retry_after_s)
+        self._reply_buffers = ReplyBuffers(MAX_CHUNK_BYTES + TAG_BYTES)
 
     def redis_key(self, key: K) -> str:
         """`<prefix>:<fingerprint[:16]>:<tenant id>:{<name>}`. Raises `ValueError` for an unsafe part."""
@@ -295,13 +313,15 @@ class RedisBlobStore(Generic[K]):
             RedisUnavailable: Redis cannot be reached.
         """
         with closing(self.read(key)) as pieces:
-            return b"".join(pieces)
+            return b"".join([bytes(piece) for piece in pieces])  # each piece lives until the next
 
-    def read(self, key: K) -> Generator[bytes, None, None]:
+    def read(self, key: K) -> Generator[bytes | memoryview, None, None]:
         """The blob of `key` piece by piece as Redis sends it: the manifest's value (a chunked
-        blob's header, or a whole blob), then each chunk in order. Lazy: nothing is asked of
-        Redis before the first piece is taken. Close it to stop early (the reading connection,
-        with replies still in flight, is then closed rather than reused).
+        blob's header, or a whole blob), then each chunk in order, each chunk a view of a buffer
+        the store reuses, valid until the next piece is taken (then released: copy a piece to keep
+        it). Lazy: nothing is asked of Redis before the first piece is taken. Close it to stop
+        early (the reading connection, with replies still in flight, is then closed rather than
+        reused).
 
         Raises, while it is iterated:
             BlobNotFound: no row, or Redis no longer holds the value or one of its chunks; a row
@@ -336,11 +356,15 @@ class RedisBlobStore(Generic[K]):
         # Only the row read before: a writer may have stored the blob again since.
         self._metadata.delete_blob(tenant_id=row.tenant_id, name=row.name, location=LOCATION, checksum=row.checksum)
 
-    def _read_values(self, slot_key: str, keys: Iterator[str], count: int) -> Generator[bytes | None, None, None]:
+    def _read_values(
+        self, slot_key: str, keys: Iterator[str], count: int
+    ) -> Generator[memoryview | bytes | None, None, None]:
         """GET the `count` keys of `keys` (all in `slot_key`'s slot, taken one at a time) on one
-        connection, `READ_WINDOW` in flight, yielding each value as it arrives. redis-py's
-        pipelines send every command and then read every reply before returning any; this hands
-        over each reply as soon as it is read, and Redis sends the next ones meanwhile."""
+        connection, `READ_WINDOW` in flight, yielding each value as it arrives, received straight
+        into a buffer the store reuses (`storage.bulk_replies`): a view valid until the next value
+        is taken. redis-py's pipelines send every command and then read every reply before
+        returning any; this hands over each reply as soon as it is read, and Redis sends the next
+        ones meanwhile."""
         if not count:
             return
         client = self._client
@@ -349,17 +373,22 @@ class RedisBlobStore(Generic[K]):
         pool = client.connection_pool
         with self._redis(f"read {count} chunks of {slot_key}"):
             connection = pool.get_connection()
+            reader = _bulk_reader(connection, self._reply_buffers)
             done = False
             try:
                 first = [("GET", next(keys)) for _ in range(min(READ_WINDOW, count))]
                 connection.send_packed_command(connection.pack_commands(first))
                 for sent in range(len(first), count + len(first)):
-                    value = cast(bytes | None, connection.read_response())
+                    value = reader.read() if reader is not None else connection.read_response()
                     if sent < count:
-                        connection.send_packed_command(connection.pack_commands([("GET", next(keys))]))
-                    yield value
+                        # No health check: its PING's reply would queue behind the GETs in flight.
+                        command = connection.pack_commands([("GET", next(keys))])
+                        connection.send_packed_command(command, check_health=False)
+                    yield cast(memoryview | bytes | None, value)
                 done = True
             finally:
+                if reader is not None:
+                    reader.close()
                 if not done:
                     connection.disconnect()  # replies may still be in flight: never reuse it
                 pool.release(connection)

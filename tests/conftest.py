@@ -19,7 +19,7 @@ import redis
 import torch
 
 from sessions.engine import Engine
-from sessions.manager import SessionManager
+from sessions.manager import Services, SessionManager, open_services
 from sessions.model_source import converted_default_dir, load_model
 from sessions.settings import Settings
 from tests import redis_servers
@@ -113,9 +113,16 @@ def make_settings(home: Path, **overrides: object) -> Settings:
 
 
 @pytest.fixture
-def tiny_manager(tmp_path: Path, tiny_engine: Engine) -> Iterator[SessionManager]:
-    with SessionManager(make_settings(tmp_path / "home"), engine=tiny_engine) as manager:
-        yield manager
+def tiny_services(tmp_path: Path, tiny_engine: Engine) -> Iterator[Services]:
+    """The composition root's services on a temporary home over the tiny model."""
+    services = open_services(make_settings(tmp_path / "home"), engine=tiny_engine)
+    with services.manager:
+        yield services
+
+
+@pytest.fixture
+def tiny_manager(tiny_services: Services) -> SessionManager:
+    return tiny_services.manager
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The shape of the packages (docs/architecture.md, "Packages and dependencies"), checked on the
 source: which package may import which, no import circles (type-only ones included), no module
-too long to read, a public API that does not load torch, and one door for a turn's session."""
+too long to read, a public API that does not load torch, one door for a turn's session, and a
+manager that is a front (the faces are handed the services beside it)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,44 @@ def test_only_the_explicit_session_requests_choose_a_turns_session() -> None:
         if attr in SESSION_DECIDING and (name, function) not in EXPLICIT_SESSION_CALLS
     ]
     assert wrong == []
+
+
+BESIDE_THE_MANAGER = {"responses", "conversations", "idempotency", "metrics", "internals"}
+"""The services the composition root hands the faces beside the manager (`sessions.Services`),
+and the root's parts, which only tests look into."""
+MAX_EXPORTS = 72
+"""`sessions.__all__`: what a user of the package needs (77 names before issue 30)."""
+
+
+def test_the_manager_is_a_front() -> None:
+    """`SessionManager` holds no parts in public attributes, and no face reaches a service or
+    the root's parts through a manager (`manager.responses.`, `self._manager.internals`, ...):
+    the faces take `Services` (issue 30)."""
+    manager = ast.parse((REPO / "sessions" / "manager.py").read_text())
+    public = {
+        target.attr
+        for node in ast.walk(manager)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+    }
+    assert {name for name in public if not name.startswith("_")} == {"settings"}
+    wrong = [
+        f"{name}:{node.lineno} reaches {ast.unparse(node)}"
+        for name, path in MODULES.items()
+        if name.startswith("app")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in BESIDE_THE_MANAGER and "manager" in ast.unparse(node.value)
+    ]
+    assert wrong == []
+
+
+def test_the_package_exports_what_its_users_need() -> None:
+    import sessions
+
+    assert len(sessions.__all__) <= MAX_EXPORTS
+    # One name for each thing: a held home is `HomeLocked`, not also the storage layer's error.
+    assert "HomeLockedError" not in sessions.__all__
 
 
 def test_the_public_api_imports_no_torch() -> None:

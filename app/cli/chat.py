@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from app.cli.groups import CLIError
-from app.cli.home import domain_errors, home_dir, load_manager, settings_for
+from app.cli.home import domain_errors, home_dir, load_services, settings_for
 from app.cli.options import TenantOption
 from app.cli.output import count
 from sessions import describe_owner, read_owner, recovery_hint
@@ -39,7 +39,7 @@ def chat_command(
     if session is not None and system is not None:
         raise CLIError("--system applies to a new session: omit --session", 2)
     settings = settings_for(ctx.obj)
-    with domain_errors(), load_manager(settings) as manager:
+    with domain_errors(), load_services(settings).manager as manager:
         tenant_id = manager.get_tenant(tenant).id
         if session is None:
             typer.echo("new session: your first message starts it")

@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup, TyperOption
 
 from app.cli.admin_client import AdminRequestFailed
-from sessions import HomeLockedError
+from sessions import HomeLocked
 
 
 class CLIError(Exception):
@@ -89,7 +89,7 @@ class OneLineErrorsGroup(CommandGroup):
             sys.exit(1)
         except CLIError as exc:
             _fail(str(exc), exc.exit_code)
-        except HomeLockedError as exc:
+        except HomeLocked as exc:
             _fail(held_for_admin(exc), 2)
         except AdminRequestFailed as exc:
             _fail(str(exc), 2 if exc.status < 500 else 1)
@@ -104,14 +104,14 @@ class OneLineErrorsGroup(CommandGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-def held_by_server(exc: HomeLockedError) -> str:
+def held_by_server(exc: HomeLocked) -> str:
     return f"{exc.holder} holds this home; stop it or use another CHATKV_HOME ({exc.recovery})"
 
 
-def held_for_admin(exc: HomeLockedError) -> str:
+def held_for_admin(exc: HomeLocked) -> str:
     """An admin command refused a home: a server's admin API is the way in; an embedding process has none."""
-    if exc.owner.url:
-        advice = f"use --server {exc.owner.url} (or CHATKV_SERVER) to go through its admin API"
+    if exc.url:
+        advice = f"use --server {exc.url} (or CHATKV_SERVER) to go through its admin API"
     else:
         advice = "stop it first, or serve the home with `chatkv serve` and use --server URL"
     return f"{exc.holder} holds this home; {advice} ({exc.recovery})"

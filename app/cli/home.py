@@ -16,7 +16,7 @@ from app.cli.groups import CLIError
 from sessions import ADMIN_TOKEN_FILE, check_unlocked
 
 if TYPE_CHECKING:
-    from sessions import AdminOps, SessionManager, Settings
+    from sessions import AdminOps, Services, Settings
 
 # `SessionManager` imports torch and transformers (seconds): it is imported where a command works
 # on a home, so `--server` commands start as fast as an HTTP client.
@@ -65,12 +65,12 @@ def domain_errors() -> Iterator[None]:
         raise CLIError(str(exc), 2) from None
 
 
-def load_manager(settings: Settings) -> SessionManager:
-    """A manager on `settings.home`; call inside `domain_errors`."""
-    from sessions import SessionManager
+def load_services(settings: Settings) -> Services:
+    """A manager on `settings.home` with the services beside it; call inside `domain_errors`."""
+    from sessions import open_services
 
     try:
-        return SessionManager(settings)
+        return open_services(settings)
     except ValueError as exc:  # documented: settings that cannot work with this model
         raise CLIError(str(exc), 2) from None
 
@@ -118,5 +118,5 @@ def open_admin(ctx: typer.Context, server: str | None = None) -> Iterator[AdminO
     with domain_errors():
         from sessions import AdminOps
 
-        with AdminOps.open_home(settings, lambda: load_manager(settings)) as ops:
+        with AdminOps.open_home(settings, lambda: load_services(settings).manager) as ops:
             yield ops

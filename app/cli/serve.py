@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 
 from app.cli.groups import CLIError, held_by_server
-from app.cli.home import domain_errors, home_dir, load_manager, settings_for
+from app.cli.home import domain_errors, home_dir, load_services, settings_for
 from app.cli.logs import LogFormat, LogLevel, configure_logging
-from sessions import HomeLockedError, check_unlocked
+from sessions import HomeLocked, check_unlocked
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def serve_command(
         check_unlocked(home_dir(ctx.obj))  # before a manager touches stores that a live server owns
         # Before the model loads (seconds): a taken port fails at once. Held until uvicorn listens.
         sockets = bind_sockets(host, port)
-    except HomeLockedError as exc:
+    except HomeLocked as exc:
         raise CLIError(held_by_server(exc), 2) from None
     except ListenError as exc:
         raise CLIError(str(exc), 1) from None
@@ -66,8 +66,10 @@ def serve_command(
         # The seconds before the model loads go to importing torch and transformers: say so.
         log.info("chatkv starting on %s:%d (home %s): importing torch and transformers", host, port, settings.home)
         with domain_errors():
-            serve(load_manager(settings), host=host, port=port, local=local, sockets=sockets, log_level=log_level.value)
-    except HomeLockedError as exc:  # a server took the home while the model loaded
+            serve(
+                load_services(settings), host=host, port=port, local=local, sockets=sockets, log_level=log_level.value
+            )
+    except HomeLocked as exc:  # a server took the home while the model loaded
         raise CLIError(held_by_server(exc), 2) from None
     except ListenError as exc:
         raise CLIError(str(exc), 1) from None

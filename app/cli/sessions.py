@@ -16,12 +16,11 @@ from app.cli.groups import CLIError, CommandGroup
 from app.cli.home import open_admin
 from app.cli.options import JsonOption, ServerOption, TenantOption, YesOption
 from app.cli.output import confirm, count, print_data, print_pairs, print_table, shown, when
+from sessions import EVICT_TARGETS, TIERS
 
 if TYPE_CHECKING:
     from sessions import Json
 
-TIERS = ("device", "host", "disk")
-EVICT_TARGETS = ("host", "disk", "drop")
 ORIGINS = {
     "explicit": "explicit (opened by id)",
     "named": "named (its client chose the id)",

@@ -31,6 +31,7 @@ from sessions import (
     CancelToken,
     ChatKVError,
     Claimed,
+    IdempotentRequests,
     InProgress,
     InvalidInput,
     KeyReused,
@@ -88,19 +89,19 @@ class IdempotencyGuard:
 
     def __init__(
         self,
-        manager: SessionManager,
+        idempotency: IdempotentRequests,
         tenant: Tenant,
         key: str | None,
         route: str,
         body: bytes,
         target: Mapping[str, str | None] | None = None,
     ) -> None:
-        self._manager = manager
+        self._idempotency = idempotency
         self.replay: Replay | None = None
         self._claim: Claimed | None = None
         if key is None:
             return
-        outcome = manager.idempotency.claim(tenant.id, key, route, body, target)
+        outcome = idempotency.claim(tenant.id, key, route, body, target)
         if isinstance(outcome, InProgress):
             raise ApiError(
                 409,
@@ -136,13 +137,13 @@ class IdempotencyGuard:
         if self._claim is not None:
             claim, self._claim = self._claim, None
             text = response.model_dump_json() if isinstance(response, BaseModel) else json.dumps(response)
-            self._manager.idempotency.complete(claim, text, session_id)
+            self._idempotency.complete(claim, text, session_id)
 
     def release(self) -> None:
         """The request did not complete: a retry with the key runs afresh (idempotent)."""
         if self._claim is not None:
             claim, self._claim = self._claim, None
-            self._manager.idempotency.release(claim)
+            self._idempotency.release(claim)
 
 
 MAX_OPENAI_TEMPERATURE = 2.0
@@ -274,10 +275,6 @@ def start_turn(manager: SessionManager, tenant: Tenant, decided: Decided, cancel
     return StartedTurn(turn.session_id, first, turn)
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass(frozen=True)
 class TurnAnswer:
     """How one turn-creating route answers; `answer_turn` does the rest, alike for every route.
@@ -295,7 +292,7 @@ class TurnAnswer:
     headers: Callable[[StartedTurn], dict[str, str]]
     completed: Callable[[StartedTurn, Reply], Any]
     frames: Callable[[StartedTurn], Iterator[str]] | None = None
-    ended: Callable[[], None] = _nothing
+    ended: Callable[[], None] = lambda: None
 
 
 def answer_turn(

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.http.api_auth import bearer_scheme, tenant_of
 from app.http.api_errors import ApiError
 from app.http.responses_items import InputItem, check_metadata, descending, dumps, page_body, stored_items
-from sessions import ConversationRecord, InvalidInput, SessionManager, Tenant
+from sessions import ConversationRecord, ConversationRecords, InvalidInput, Tenant
 
 TenantDep = Annotated[Tenant, Depends(tenant_of)]
 MAX_ITEMS_PER_REQUEST = 20
@@ -53,7 +53,7 @@ class ItemsCreate(BaseModel):
     items: list[InputItem] = Field(description="Up to 20 message items to append.")
 
 
-def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -> APIRouter:
+def conversations_router(conversations: ConversationRecords, route_class: type[APIRoute]) -> APIRouter:
     """The `/conversations` routes, to be mounted under `/v1` (see the module docstring)."""
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Conversations"])
     missing: dict[int | str, dict[str, Any]] = {404: {"description": "No such conversation (or item)."}}
@@ -67,23 +67,23 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
         """Create a conversation with initial items and metadata."""
         items = _new_items(body.items or [])
         metadata = check_metadata(body.metadata)
-        record = manager.conversations.create(tenant.id, metadata=dumps(metadata), items=items)
+        record = conversations.create(tenant.id, metadata=dumps(metadata), items=items)
         return JSONResponse(_conversation(record))
 
     @router.get("/conversations/{conversation_id}", responses=missing)
     def retrieve_conversation(conversation_id: str, tenant: TenantDep) -> JSONResponse:
-        return JSONResponse(_conversation(manager.conversations.get(tenant.id, conversation_id)))
+        return JSONResponse(_conversation(conversations.get(tenant.id, conversation_id)))
 
     @router.post("/conversations/{conversation_id}", responses=missing)
     def update_conversation(conversation_id: str, body: ConversationUpdate, tenant: TenantDep) -> JSONResponse:
         """Replace the conversation's metadata."""
         metadata = dumps(check_metadata(body.metadata))
-        return JSONResponse(_conversation(manager.conversations.update(tenant.id, conversation_id, metadata=metadata)))
+        return JSONResponse(_conversation(conversations.update(tenant.id, conversation_id, metadata=metadata)))
 
     @router.delete("/conversations/{conversation_id}", responses=missing)
     def delete_conversation(conversation_id: str, tenant: TenantDep) -> JSONResponse:
         """Delete the conversation, and its session unless a stored response points into it."""
-        manager.conversations.delete(tenant.id, conversation_id)
+        conversations.delete(tenant.id, conversation_id)
         return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
     @router.get("/conversations/{conversation_id}/items", responses=missing)
@@ -95,21 +95,19 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
         order: Annotated[str, Query(description="`desc` (newest first, the default) or `asc`.")] = "desc",
     ) -> JSONResponse:
         newest_first = descending(limit, order)
-        page, more = manager.conversations.page(
-            tenant.id, conversation_id, after=after, limit=limit, descending=newest_first
-        )
+        page, more = conversations.page(tenant.id, conversation_id, after=after, limit=limit, descending=newest_first)
         return JSONResponse(page_body(page, more))
 
     @router.post("/conversations/{conversation_id}/items", responses=full)
     def create_items(conversation_id: str, body: ItemsCreate, tenant: TenantDep) -> JSONResponse:
         """Append items; answers the items added."""
         added = _new_items(body.items)
-        manager.conversations.append(tenant.id, conversation_id, added)
+        conversations.append(tenant.id, conversation_id, added)
         return JSONResponse(page_body(added, False))
 
     @router.get("/conversations/{conversation_id}/items/{item_id}", responses=missing)
     def retrieve_item(conversation_id: str, item_id: str, tenant: TenantDep) -> JSONResponse:
-        item = manager.conversations.item(tenant.id, conversation_id, item_id)
+        item = conversations.item(tenant.id, conversation_id, item_id)
         if item is None:
             raise _item_not_found(item_id)
         return JSONResponse(item)
@@ -117,7 +115,7 @@ def conversations_router(manager: SessionManager, route_class: type[APIRoute]) -
     @router.delete("/conversations/{conversation_id}/items/{item_id}", responses=missing)
     def delete_item(conversation_id: str, item_id: str, tenant: TenantDep) -> JSONResponse:
         """Delete an item; answers the conversation."""
-        record = manager.conversations.delete_item(tenant.id, conversation_id, item_id)
+        record = conversations.delete_item(tenant.id, conversation_id, item_id)
         if record is None:
             raise _item_not_found(item_id)
         return JSONResponse(_conversation(record))

@@ -73,6 +73,7 @@ from sessions import (
     InvalidInput,
     Replay,
     Reply,
+    Services,
     SessionManager,
     Tenant,
     TurnTarget,
@@ -120,10 +121,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
+def openai_router(services: Services, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
     """`/models` and `/chat/completions`, to be mounted under `/v1`; turns of sessions other
     replicas own go to them through `forwarder`."""
     # Over 60 lines: the routes are closures over `manager`, one short function each.
+    manager = services.manager
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["OpenAI-compatible"])
     started = int(time.time())
 
@@ -140,7 +142,7 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarde
     )
     def get_model(model: str) -> ModelCard:
         """The served model, if `model` is its id."""
-        _check_model(manager, model)
+        check_model(manager, model)
         return card()
 
     @router.post(
@@ -183,7 +185,7 @@ def openai_router(manager: SessionManager, route_class: type[APIRoute], forwarde
             request,
             lambda hop: _decide(manager, body, tenant, x_session_id, forwarded=hop),
             lambda raw, cancel, decided: _complete(
-                manager, body, raw, tenant, x_session_id, idempotency_key, cancel, decided
+                services, body, raw, tenant, x_session_id, idempotency_key, cancel, decided
             ),
         )
 
@@ -195,7 +197,7 @@ def _decide(
 ) -> Decided:
     """Check and read the request (refused here, before a forward) and plan its turn: on its named
     session, or on the session its posted history continues or forks (`sessions.turn_door`)."""
-    _check_model(manager, body.model)
+    check_model(manager, body.model)
     refuse_unsupported(body)
     options = turn_options(body)
     posted = parse_messages(body.messages)
@@ -205,7 +207,7 @@ def _decide(
 
 
 def _complete(
-    manager: SessionManager,
+    services: Services,
     body: ChatCompletionRequest,
     raw: bytes,
     tenant: Tenant,
@@ -218,12 +220,12 @@ def _complete(
     idempotency key, run the turn to its first piece (streamed) or to its end."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     guard = IdempotencyGuard(
-        manager, tenant, idempotency_key, "/v1/chat/completions", raw, target={SESSION_HEADER: x_session_id}
+        services.idempotency, tenant, idempotency_key, "/v1/chat/completions", raw, {SESSION_HEADER: x_session_id}
     )
     reply_id = f"chatcmpl-{secrets.token_hex(12)}"
     # A client that named the session gets its own name back.
     session = decided.plan.target.session
-    head = {"id": reply_id, "created": int(time.time()), "model": manager.model_name}
+    head = {"id": reply_id, "created": int(time.time()), "model": services.manager.model_name}
 
     def replayed(replay: Replay) -> Response:
         completion = ChatCompletion.model_validate_json(replay.response)
@@ -233,12 +235,12 @@ def _complete(
         return JSONResponse(completion.model_dump(), headers=headers)
 
     def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
-        completion = _completion(reply_id, manager.model_name, reply)
+        completion = _completion(reply_id, services.manager.model_name, reply)
         guard.complete(turn.session_id, completion)
         return completion.model_dump()
 
     return answer_turn(
-        manager,
+        services.manager,
         tenant,
         decided,
         cancel,
@@ -252,7 +254,8 @@ def _complete(
     )
 
 
-def _check_model(manager: SessionManager, model: str) -> None:
+def check_model(manager: SessionManager, model: str) -> None:
+    """Raises `ApiError` 404 `model_not_found` for a model this server does not serve."""
     if model != manager.model_name:
         raise ApiError(
             404,

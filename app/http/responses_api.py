@@ -53,6 +53,7 @@ from app.http.api_turns import (
     answer_turn,
 )
 from app.http.forwarding import Forwarder
+from app.http.openai_api import check_model
 from app.http.responses_items import (
     ResponseRequest,
     as_input_items,
@@ -78,7 +79,7 @@ from sessions import (
     InvalidInput,
     Replay,
     Reply,
-    SessionManager,
+    Services,
     Tenant,
     TurnCancelled,
     TurnTarget,
@@ -123,7 +124,7 @@ class InFlight:
         return run[1]
 
 
-def responses_router(manager: SessionManager, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
+def responses_router(services: Services, route_class: type[APIRoute], forwarder: Forwarder) -> APIRouter:
     """The `/responses` routes, to be mounted under `/v1` (see the module docstring)."""
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Responses"])
     in_flight = InFlight()
@@ -154,21 +155,21 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
         that disconnects before the answer is complete cancels the turn; nothing is stored."""
         return await forwarder.run_turn(
             request,
-            lambda hop: _decide(manager, body, tenant, forwarded=hop),
+            lambda hop: _decide(services, body, tenant, forwarded=hop),
             lambda raw, cancel, decided: _create(
-                manager, body, raw, tenant, idempotency_key, cancel, in_flight, decided
+                services, body, raw, tenant, idempotency_key, cancel, in_flight, decided
             ),
         )
 
     @router.get("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
     def retrieve_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
         """A stored response as it was answered."""
-        return JSONResponse(json.loads(manager.responses.stored(tenant.id, response_id).response))
+        return JSONResponse(json.loads(services.responses.stored(tenant.id, response_id).response))
 
     @router.delete("/responses/{response_id}", responses={404: {"description": "No such stored response."}})
     def delete_response(response_id: str, tenant: Annotated[Tenant, Depends(tenant_of)]) -> JSONResponse:
         """Delete a stored response; later responses keep their context (`sessions.responses`)."""
-        manager.responses.delete(tenant.id, response_id)
+        services.responses.delete(tenant.id, response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @router.get("/responses/{response_id}/input_items", responses={404: {"description": "No such stored response."}})
@@ -180,7 +181,7 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
         order: Annotated[str, Query(description="`desc` (newest first, the default) or `asc`.")] = "desc",
     ) -> JSONResponse:
         """The input items the response was created with (not those of earlier responses)."""
-        stored = manager.responses.stored(tenant.id, response_id)
+        stored = services.responses.stored(tenant.id, response_id)
         return JSONResponse(items_page(json.loads(stored.input_items), after, limit, order))
 
     @router.post("/responses/{response_id}/cancel", responses={404: {"description": "No such response."}})
@@ -189,7 +190,7 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
         head = in_flight.cancel(tenant, response_id)
         if head is not None:
             return JSONResponse(response_object(head, status="cancelled"))
-        manager.responses.point(tenant.id, response_id)  # 404 unless it is stored
+        services.responses.point(tenant.id, response_id)  # 404 unless it is stored
         raise ApiError(
             400, "only a response streaming in flight can be cancelled; this one has completed", "invalid_request"
         )
@@ -197,17 +198,11 @@ def responses_router(manager: SessionManager, route_class: type[APIRoute], forwa
     return router
 
 
-def _decide(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Decided:
+def _decide(services: Services, body: ResponseRequest, tenant: Tenant, *, forwarded: bool) -> Decided:
     """Check and read the request (refused here, before a forward or anything stored) and plan its
     turn (`sessions.turn_door`): after the previous response, in the conversation, or a new
     session holding the input's earlier turns."""
-    if body.model != manager.model_name:
-        raise ApiError(
-            404,
-            f"the model `{body.model}` does not exist; this server serves `{manager.model_name}`",
-            "model_not_found",
-            param="model",
-        )
+    check_model(services.manager, body.model)
     refuse_unsupported(body)
     check_metadata(body.metadata)
     options = turn_options(body)
@@ -220,9 +215,9 @@ def _decide(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, f
     if conversation_id is not None and not store:
         raise unsupported("`store: false` with a conversation is", "store")
     if conversation_id is not None:
-        record = manager.conversations.get(tenant.id, conversation_id)
-        manager.conversations.check_room(record, [*stored_items(input_as_items(body)), output_message(item_id(), "")])
-        posted = parse_input(body, as_input_items(manager.conversations.items(tenant.id, conversation_id)))
+        record = services.conversations.get(tenant.id, conversation_id)
+        services.conversations.check_room(record, [*stored_items(input_as_items(body)), output_message(item_id(), "")])
+        posted = parse_input(body, as_input_items(services.conversations.items(tenant.id, conversation_id)))
     else:
         posted = parse_input(body)
     if body.previous_response_id is not None and (
@@ -239,11 +234,11 @@ def _decide(manager: SessionManager, body: ResponseRequest, tenant: Tenant, *, f
         conversation=conversation_id,
         store=store,
     )
-    return Decided(manager.plan_turn(tenant, target, forwarded=forwarded), posted, options)
+    return Decided(services.manager.plan_turn(tenant, target, forwarded=forwarded), posted, options)
 
 
 def _create(
-    manager: SessionManager,
+    services: Services,
     body: ResponseRequest,
     raw: bytes,
     tenant: Tenant,
@@ -256,8 +251,8 @@ def _create(
     start the turn; stream it, or run it to its end and store it."""
     store = decided.plan.target.store
     # `store: false` keeps nothing, not even the answer under an idempotency key.
-    guard = IdempotencyGuard(manager, tenant, idempotency_key if store else None, "/v1/responses", raw)
-    head = response_head(manager.responses.new_id(), manager.model_name, body, body.metadata or {})
+    guard = IdempotencyGuard(services.idempotency, tenant, idempotency_key if store else None, "/v1/responses", raw)
+    head = response_head(services.responses.new_id(), services.manager.model_name, body, body.metadata or {})
     conversation_id = body.conversation_id()
     items = stored_items(input_as_items(body)) if conversation_id is not None else input_items(decided.posted)
     run = _Answer(head, item_id(), items, store, conversation_id, body.previous_response_id)
@@ -273,7 +268,7 @@ def _create(
         return {SESSION_HEADER: turn.session_id} if store else {}  # `store: false` keeps no session
 
     def completed(turn: StartedTurn, reply: Reply) -> dict[str, Any]:
-        return _finish(manager, tenant, run, turn, reply, guard)
+        return _finish(services, tenant, run, turn, reply, guard)
 
     def events(turn: StartedTurn) -> Iterator[str]:
         return _events(run, turn, lambda: completed(turn, _reply_of(turn)))
@@ -283,11 +278,11 @@ def _create(
     answer = TurnAnswer(
         replayed, headers, completed, events if body.stream else None, lambda: in_flight.discard(tenant, head["id"])
     )
-    return answer_turn(manager, tenant, decided, cancel, guard, answer)
+    return answer_turn(services.manager, tenant, decided, cancel, guard, answer)
 
 
 def _finish(
-    manager: SessionManager, tenant: Tenant, run: _Answer, turn: StartedTurn, reply: Reply, guard: IdempotencyGuard
+    services: Services, tenant: Tenant, run: _Answer, turn: StartedTurn, reply: Reply, guard: IdempotencyGuard
 ) -> dict[str, Any]:
     """The final response object of a completed turn, stored with its `Idempotency-Key`'s answer
     in one transaction (or, with `store: false`, its session deleted and erased)."""
@@ -295,7 +290,7 @@ def _finish(
         run.head, status="completed", output=[output_message(run.message_id, reply.text)], reply=reply
     )
     if run.store:
-        manager.responses.record(
+        services.responses.record(
             tenant.id,
             run.head["id"],
             session_id=turn.session_id,
@@ -308,10 +303,10 @@ def _finish(
         )
         guard.answered()
     else:
-        manager.delete_session(tenant, turn.session_id, erase=True)
+        services.manager.delete_session(tenant, turn.session_id, erase=True)
     if run.conversation_id is not None:
         added = [*run.items, final["output"][0]]
-        manager.conversations.append(tenant.id, run.conversation_id, added, session_id=turn.session_id, capped=False)
+        services.conversations.append(tenant.id, run.conversation_id, added, session_id=turn.session_id, capped=False)
     return final
 
 

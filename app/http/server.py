@@ -26,7 +26,7 @@ from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyL
 if TYPE_CHECKING:
     from starlette.routing import BaseRoute
 
-    from sessions import SessionManager
+    from sessions import Services, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,9 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def build_app(
-    manager: SessionManager, *, local: bool, token: str, body_limits: BodyLimits = DEFAULT_BODY_LIMITS
-) -> FastAPI:
-    """The whole server app for `manager`. Its `state.chat_ui` is the chat page's `ChatUI`.
+def build_app(services: Services, *, local: bool, token: str, body_limits: BodyLimits = DEFAULT_BODY_LIMITS) -> FastAPI:
+    """The whole server app over the composition root's `services` (`sessions.open_services`).
+    Its `state.chat_ui` is the chat page's `ChatUI`.
 
     Args:
         local: single-tenant local mode (no API key asked; the UI uses the `local` tenant).
@@ -89,6 +88,7 @@ def build_app(
     from app.http.session_api import session_router
     from app.ui import UI_CSS, UI_TRANSLATIONS, ChatUI, build_ui
 
+    manager = services.manager
     forwarder = Forwarder(manager)
 
     @contextlib.asynccontextmanager
@@ -110,17 +110,17 @@ def build_app(
     route_class = api_route_class(manager, limiter)
     prefetcher = Prefetcher(manager)
     app.state.prefetcher = prefetcher
-    app.include_router(openai_router(manager, route_class, forwarder), prefix="/v1")
-    app.include_router(responses_router(manager, route_class, forwarder), prefix="/v1")
-    app.include_router(conversations_router(manager, route_class), prefix="/v1")
-    app.include_router(session_router(manager, route_class, prefetcher, forwarder), prefix="/v1")
+    app.include_router(openai_router(services, route_class, forwarder), prefix="/v1")
+    app.include_router(responses_router(services, route_class, forwarder), prefix="/v1")
+    app.include_router(conversations_router(services.conversations, route_class), prefix="/v1")
+    app.include_router(session_router(services, route_class, prefetcher, forwarder), prefix="/v1")
     api_routes = _answer_unrouted_v1(app)
     chat_ui = ChatUI(manager, local=local, prefetcher=prefetcher)
     app.state.chat_ui = chat_ui
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(manager.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(services.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -214,7 +214,7 @@ def _answer_unrouted_outside_v1(app: FastAPI, api: list[BaseRoute]) -> None:
 
 
 def serve(
-    manager: SessionManager,
+    services: Services,
     *,
     host: str = "127.0.0.1",
     port: int = 7860,
@@ -224,7 +224,7 @@ def serve(
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM, both a normal end: exit code 0), holding the home
     lock and expiring idle implicit sessions (`SessionManager.start_retention_sweeps`); at the end
-    waits for chat turns in flight, then closes `manager`, which stops the sweeps and persists its
+    waits for chat turns in flight, then closes the manager, which stops the sweeps and persists its
     caches so the next start resumes warm.
 
     Args:
@@ -234,7 +234,7 @@ def serve(
             logger's handlers (`app.cli.logs.configure_logging`), not to a configuration of its own.
 
     Raises:
-        HomeLockedError: if another live server holds the same chatkv home.
+        HomeLocked: if another live server holds the same chatkv home.
         ListenError: if the port cannot be bound, or the server did not start.
     """
     # Over 60 lines: start-up and shutdown are one sequence of steps whose order matters (the
@@ -244,6 +244,7 @@ def serve(
     from sessions import ADMIN_TOKEN_FILE, HomeLock, admin_token
 
     url = f"http://{host}:{port}"
+    manager = services.manager
     configured = manager.settings.admin_token
     token = admin_token(manager.settings.home, configured)
     token_source = "from CHATKV_ADMIN_TOKEN" if configured else f"in {manager.settings.home / ADMIN_TOKEN_FILE}"
@@ -255,7 +256,7 @@ def serve(
             listening_url = advertised_url(host, port)
             manager.set_replica_url(listening_url)
             log.info("building the chat UI, the /v1/ API and the admin API")
-            app = build_app(manager, local=local, token=token)
+            app = build_app(services, local=local, token=token)
             # Implicit sessions and uncontinued forks expire here; `manager.close()` stops the sweeps.
             manager.start_retention_sweeps()
             # The address and the admin token's place are what a person starting the server needs:

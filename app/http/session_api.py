@@ -56,6 +56,7 @@ from sessions import (
     Replay,
     Reply,
     RestoreSource,
+    Services,
     SessionInfo,
     SessionManager,
     Tenant,
@@ -192,11 +193,12 @@ class PrefetchStarted(BaseModel):
 
 
 def session_router(
-    manager: SessionManager, route_class: type[APIRoute], prefetcher: Prefetcher, forwarder: Forwarder
+    services: Services, route_class: type[APIRoute], prefetcher: Prefetcher, forwarder: Forwarder
 ) -> APIRouter:
     """The `/sessions` routes, to be mounted under `/v1`. A turn, fork or prefetch of a session
     another replica owns goes to that replica through `forwarder` (`app.http.forwarding`)."""
     # Over 60 lines: the routes are closures over `manager`, one short function each.
+    manager = services.manager
     router = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)], tags=["Sessions"])
 
     @router.post("/sessions", status_code=status.HTTP_201_CREATED, response_model=SessionOut)
@@ -265,7 +267,7 @@ def session_router(
             request,
             lambda hop: _decide(manager, session_id, body, tenant, forwarded=hop),
             lambda raw, cancel, decided: _send(
-                manager, session_id, body, raw, tenant, idempotency_key, cancel, decided
+                services, session_id, body, raw, tenant, idempotency_key, cancel, decided
             ),
         )
 
@@ -308,7 +310,7 @@ def _decide(
 
 
 def _send(
-    manager: SessionManager,
+    services: Services,
     session_id: str,
     body: MessageCreate,
     raw: bytes,
@@ -318,7 +320,7 @@ def _send(
     decided: Decided,
 ) -> Response:
     """The blocking part of `POST /sessions/{id}/messages` (run in the threadpool)."""
-    guard = IdempotencyGuard(manager, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
+    guard = IdempotencyGuard(services.idempotency, tenant, idempotency_key, f"/v1/sessions/{session_id}/messages", raw)
 
     def replayed(replay: Replay) -> Response:
         recorded = MessageReply.model_validate_json(replay.response)
@@ -344,7 +346,7 @@ def _send(
         return {SESSION_HEADER: turn.session_id}
 
     answer = TurnAnswer(replayed, headers, completed, events if body.stream else None)
-    return answer_turn(manager, tenant, decided, cancel, guard, answer)
+    return answer_turn(services.manager, tenant, decided, cancel, guard, answer)
 
 
 def _replayed_events(recorded: MessageReply) -> Generator[str, None, None]:

@@ -36,6 +36,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "window_policy": (lambda v: v in ("turns", "attention", "agnostic"), "'turns', 'attention' or 'agnostic'"),
     "window_recent_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "window_observation_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "window_rebuild_chunk_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "context_budget_tokens": (lambda v: v >= 16, ">= 16"),
     "threads": (lambda v: v >= 1, ">= 1"),
     "max_concurrent_requests_per_tenant": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),

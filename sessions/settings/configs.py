@@ -74,17 +74,21 @@ class WindowConfig:
             the new turn's attention) or `agnostic` (lossy, per KV head, by scores fixed at commit).
         window_recent_tokens: under `attention`, the most recent tokens never evicted.
         window_observation_tokens: under `attention`, the queries whose attention scores the cache.
+        window_rebuild_chunk_tokens: under `attention` and `agnostic`, the chunk a rebuild prefills
+            its kept past in, evicting after each (0: at once).
         pin_first_turn: the first turn joins the base layer (never windowed out).
 
     Raises:
         ValueError: for a budget below 16 tokens, an unknown policy, negative recent or
-            non-positive observation tokens, or (under `attention` or `agnostic`) a recent window not below the budget.
+            non-positive observation tokens, negative rebuild chunk tokens, or (under
+            `attention` or `agnostic`) a recent window not below the budget.
     """
 
     context_budget_tokens: int | None
     window_policy: WindowPolicyName
     window_recent_tokens: int
     window_observation_tokens: int
+    window_rebuild_chunk_tokens: int
     pin_first_turn: bool
 
     def __post_init__(self) -> None:

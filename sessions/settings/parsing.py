@@ -32,6 +32,7 @@ _INTEGER_FIELDS = frozenset(
         "quant_residual_tokens",
         "window_recent_tokens",
         "window_observation_tokens",
+        "window_rebuild_chunk_tokens",
         "threads",
         "max_step_tokens",
         "max_prefill_tokens",

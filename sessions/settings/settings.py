@@ -166,6 +166,13 @@ class Settings:
     the budget)."""
     window_observation_tokens: int = 32
     """Under `attention`, queries at the end of each turn's prefill whose attention scores the cache."""
+    window_rebuild_chunk_tokens: int = 0
+    """Under `attention` and `agnostic`, > 0: a rebuild (no stored cache, or positions past the
+    model's limit) prefills the kept past (down to 1.5x the budget) in chunks of this many tokens
+    (128 is a sane size), evicting down to the budget after each, so it holds at most the budget
+    plus a chunk. 0 (default, the better replies in benchmarks/window_rebuild.py): `attention`
+    prefills the past down to 1.25x the budget at once and evicts by the new turn's queries;
+    `agnostic` drops whole oldest turns."""
     pin_first_turn: bool = False
     share_base: bool = True
     """Share the base layer (system prompt) of a tenant's sessions through the prefix pool."""
@@ -324,6 +331,7 @@ class Settings:
             window_policy=self.window_policy,
             window_recent_tokens=self.window_recent_tokens,
             window_observation_tokens=self.window_observation_tokens,
+            window_rebuild_chunk_tokens=self.window_rebuild_chunk_tokens,
             pin_first_turn=self.pin_first_turn,
         )
 

@@ -197,6 +197,8 @@ def _pins_leave_room(cache: SessionCache, spans: Sequence[LayerSpan], budget_tok
 
 def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache | None) -> TurnStats:
     start, choice = prepared.start, prepared.choice
+    fed = len(prepared.prefill) + max(0, len(generation.token_ids) - 1)  # the last sampled id is never fed
+    own_buffer = start.cache.total_tokens + fed
     return TurnStats(
         prefill_tokens=len(prepared.prefill) + start.base_computed,
         reused_tokens=start.reused_tokens,
@@ -208,6 +210,7 @@ def _stats(prepared: PreparedTurn, generation: Generation, cache: SessionCache |
         base_reused_tokens=start.base_reused,
         demoted_tokens=start.demoted_tokens,
         cache_tokens=0 if cache is None else cache.total_tokens,
+        peak_tokens=max(start.peak_tokens, own_buffer),
         queue_s=generation.queue_s,
         restore_choice=None if choice is None else "recompute" if choice.recompute else "restore",
         restore_estimate_s=None if choice is None else choice.restore_s,

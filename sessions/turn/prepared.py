@@ -133,6 +133,9 @@ class TurnStart:
             `prefilled_tokens` ids of the prefill into it (an evicting turn under `attention`:
             `sessions.turn.window`); the engine loop continues it. `None`: built from `cache`.
         prefilled_tokens: ids of the prefill already in `working`.
+        peak_tokens: most tokens a buffer held while the turn was prepared (a rebuild's kept
+            past, chunk by chunk; an evicting turn's full cache with its prefilled ids); 0 when
+            preparing prefilled nothing.
     """
 
     cache: SessionCache
@@ -145,6 +148,7 @@ class TurnStart:
     pending_base: PendingBase | None = None
     working: WorkingCache | None = field(default=None, compare=False)
     prefilled_tokens: int = 0
+    peak_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,15 @@ Two ways to the first new token:
 
 Either way the window step first makes the turn fit (`sessions.turn.window`: whole oldest turns
 demoted, or tokens evicted by attention under the `attention` policy).
-With `reuse_kv` off (a benchmark baseline) every turn takes the rebuild path without the pool.
+What is restored, pooled and kept is the `KvReuse` policy's (`NO_REUSE`, the benchmarks' baseline:
+every turn takes the rebuild path without the pool).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
 from cache.lease import Lease
@@ -31,7 +32,7 @@ from cache.restore import Restored
 from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
 from cache.tier_manager import TierManager
 from cache.tiers import Tier
-from cache.window_policy import ContextOverflow, WindowPolicy
+from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPolicy
 from sessions.cancellation import CancelToken
 from sessions.engine import Engine
 from sessions.errors import ContextTooLong
@@ -46,8 +47,13 @@ from sessions.turn.window import TurnWindow, restack_kept
 log = logging.getLogger(__name__)
 
 REBUILD_SLACK = 0.25
-"""Past an `attention` rebuild prefills beyond the budget, as a share of the budget: the chunk its
-eviction chooses from (more keeps more of the old turns by attention, at a dearer rebuild)."""
+"""Past a rebuild prefilled at once (`window_rebuild_chunk_tokens` 0) takes beyond the budget, as a
+share of the budget: what its eviction chooses from (more keeps more of the old turns by
+attention, at a dearer rebuild that also holds it all at once)."""
+CHUNKED_REBUILD_SLACK = 0.5
+"""Past a chunked rebuild prefills beyond the budget, as a share of the budget: it holds at most the
+budget plus a chunk whatever this is, so only its cost grows with it (each token past the budget
+is prefilled once, in a chunk that then evicts: benchmarks/window_rebuild.py)."""
 
 _MEASURED = (Tier.HOST, Tier.DISK, Tier.REDIS)
 """Tiers a turn restores from, whose cost it measures (the device costs nothing)."""
@@ -57,6 +63,41 @@ _TIER_SOURCES: dict[Tier, RestoreSource] = {
     Tier.DISK: "disk",
     Tier.REDIS: "redis",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class KvReuse:
+    """What a turn keeps of the KV cache for the next: the policy the composition root hands the
+    preparer, the runner and the turn service. chatkv's own (`keeps`): a session's cache restored
+    from its tier (or, with `restore_or_recompute`, prefilled again when estimated cheaper:
+    `sessions.turn.costs`) and committed after the turn; base layers shared through the tenant's
+    prefix pool. `NO_REUSE`, the benchmarks' baseline, is a stateless server: every turn prefills
+    its whole conversation and nothing is kept."""
+
+    keeps: bool = True
+    restore_or_recompute: bool = False
+
+    def restore(self, lease: Lease) -> Restored:
+        return lease.restore() if self.keeps else Restored(None, None, 0.0)
+
+    def pooled_base(
+        self, tiers: TierManager, tenant_id: TenantId, key: PrefixKey, base_ids: tuple[int, ...]
+    ) -> tuple[BaseLayer, str] | None:
+        return tiers.find_base_layer(tenant_id, key, base_ids) if self.keeps else None
+
+    def adopt_base(self, lease: Lease, base: BaseLayer) -> BaseLayer:
+        return lease.adopt_base(base) if self.keeps else base
+
+    def keep(self, lease: Lease, cache: SessionCache | None) -> None:
+        """Commit the turn's cache; `None` (a stop string cut the reply inside what the cache
+        holds) discards the stored one, so the next turn rebuilds."""
+        if self.keeps and cache is not None:
+            lease.commit(cache)
+        elif self.keeps:
+            lease.discard()
+
+
+NO_REUSE = KvReuse(keeps=False)
 
 
 class TurnPreparer:
@@ -70,18 +111,16 @@ class TurnPreparer:
         tiers: TierManager,
         window: WindowPolicy,
         share_base: bool,
-        reuse_kv: bool,
-        restore_or_recompute: bool = False,
+        reuse: KvReuse,
     ) -> None:
         self.engine = engine
         self.costs = RestoreCosts()
-        self.restore_or_recompute = restore_or_recompute
         self.template = template
         self.tiers = tiers
         self.window = window
         self.fitting = TurnWindow(engine, window, accountant=tiers)
         self.share_base = share_base
-        self.reuse_kv = reuse_kv
+        self.reuse = reuse
 
     def base_key(self, tenant_id: TenantId, session_id: SessionId, base_ids: Sequence[int]) -> PrefixKey:
         """Pool key of a session's base: salted with the tenant (and the session when sharing is off)."""
@@ -107,12 +146,12 @@ class TurnPreparer:
         """
         if cancel is not None:
             cancel.check()
-        choice = self._restore_choice(lease, transcript) if self.reuse_kv and self.restore_or_recompute else None
+        choice = self._restore_choice(lease, transcript) if self.reuse.restore_or_recompute else None
         if choice is not None and choice.recompute:
             log.info("session %s: prefilling again is estimated cheaper than restoring its cache", session_id)
             restored = Restored(None, None, 0.0)
         else:
-            restored = lease.restore() if self.reuse_kv else Restored(None, None, 0.0)
+            restored = self.reuse.restore(lease)
             if restored.cache is not None and restored.source in _MEASURED:
                 self.costs.restored(restored.source.value, restored.cache.total_tokens, restored.seconds)
         cache = restored.cache
@@ -121,7 +160,7 @@ class TurnPreparer:
             lease.discard()
             cache = None
         source: RestoreSource = "rebuilt" if transcript.turns else "new"
-        if restored.cache is None and transcript.turns and self.reuse_kv:
+        if restored.cache is None and transcript.turns and self.reuse.keeps:
             log.info("session %s: no stored cache in any tier; rebuilding from the transcript", session_id)
         if cache is not None and restored.source is not None:
             source = _TIER_SOURCES[restored.source]
@@ -219,6 +258,7 @@ class TurnPreparer:
             base_computed=base_computed,
             working=fitted.working,
             prefilled_tokens=fitted.prefilled_tokens,
+            peak_tokens=fitted.peak_tokens,
         )
 
     # -- rebuild -------------------------------------------------------------------------------
@@ -234,12 +274,12 @@ class TurnPreparer:
         conversation = self._conversation(transcript, user_text)
         ids = TurnIds.of_conversation(transcript, conversation)
         past_spans = _past_spans(conversation, transcript.pinned)
-        if self.window.policy == "attention" and self.reuse_kv:
-            by_attention = self._rebuild_by_attention(
+        if self.window.policy in LOSSY_POLICIES and self.reuse.keeps:
+            by_eviction = self._rebuild_by_eviction(
                 tenant_id, session_id, transcript, conversation, past_spans, ids.turn, params
             )
-            if by_attention is not None:
-                return ids, by_attention
+            if by_eviction is not None:
+                return ids, by_eviction
         base_tokens = conversation.base_tokens
         window = self.fitting.plan_layers(past_spans, base_tokens, 0, len(ids.turn), params.max_new_tokens)
         base, pending_base = self._pooled_or_pending_base(tenant_id, session_id, conversation)
@@ -272,12 +312,12 @@ class TurnPreparer:
         if not base_ids:
             return None, None
         key = self.base_key(tenant_id, session_id, base_ids)
-        found = self.tiers.find_base_layer(tenant_id, key, base_ids) if self.reuse_kv else None
+        found = self.reuse.pooled_base(self.tiers, tenant_id, key, base_ids)
         if found is None:
             return None, PendingBase(key, base_ids)
         return found[0], None
 
-    def _rebuild_by_attention(
+    def _rebuild_by_eviction(
         self,
         tenant_id: TenantId,
         session_id: SessionId,
@@ -287,23 +327,36 @@ class TurnPreparer:
         new_turn: tuple[int, ...],
         params: SamplingParams,
     ) -> TurnStart | None:
-        """The rebuild under the `attention` policy: the past that stays is prefilled here, at
-        once, and then fitted into the budget by the same scoring and per-head eviction as a reuse
-        turn, so a rebuild (after a restart without a stored cache, or positions that outgrew the
-        model) keeps the tokens attention uses instead of dropping whole turns down to the budget.
+        """The rebuild under a lossy policy: the past is fitted into the budget by the same per-head
+        eviction as a reuse turn, instead of dropping whole turns down to the budget, so a rebuild
+        (after a restart without a stored cache, or positions that outgrew the model) keeps the
+        tokens attention uses, from more of the conversation.
 
-        The cost follows the budget, not the conversation (issue 31): whole oldest turns still go
-        until the turn fits the budget plus `REBUILD_SLACK` of it (one chunk of past beyond the
-        budget, at most half-way to the model's position limit, since kept keys keep their
-        positions), so the rebuild prefills and holds at most the budget and that chunk; the
-        turn's own prefill then evicts the chunk's worth by attention (`TurnWindow.fit`).
+        The cost follows the budget, not the conversation (issue 31). Whole oldest turns still go
+        until the past fits the budget plus a share of it (`CHUNKED_REBUILD_SLACK` when chunked,
+        `REBUILD_SLACK` at once; at most half-way to the model's position limit, since kept keys
+        keep their positions). What is left is prefilled at contiguous positions:
+
+        - at once (`window_rebuild_chunk_tokens` 0, the default; `attention` only, `agnostic`
+          drops whole turns): the whole kept past, up to 1.25x the budget;
+        - in chunks (> 0, `attention` and `agnostic`): each chunk scores what is held and evicts
+          down to the budget before the next (`TurnWindow.prefill_evicting`), so no buffer holds
+          more than the budget plus a chunk, at the price of worse replies in
+          benchmarks/window_rebuild.py (each eviction is judged by one chunk's queries).
+
+        Then the turn's own prefill fits the rest (`TurnWindow.fit`: by the new turn's queries
+        under `attention`, by the scores the chunks left under `agnostic`).
 
         Returns `None` when nothing needs evicting (the plain rebuild then does the same work in
-        the turn's own prefill), or when eviction cannot make the turn fit (the plain rebuild
-        drops whole turns, or raises `ContextTooLong`)."""
+        the turn's own prefill), when eviction cannot make the turn fit (the plain rebuild drops
+        whole turns, or raises `ContextTooLong`), or for a model without full-attention layers."""
+        chunked = self.window.rebuild_chunk_tokens > 0
+        if not chunked and self.window.policy != "attention":
+            return None
         ids, base_tokens = conversation.token_ids, conversation.base_tokens
         budget = self.window.budget_tokens
-        positions = budget + min(int(budget * REBUILD_SLACK), max(0, self.engine.max_context_tokens - budget) // 2)
+        slack = int(budget * (CHUNKED_REBUILD_SLACK if chunked else REBUILD_SLACK))
+        positions = budget + min(slack, max(0, self.engine.max_context_tokens - budget) // 2)
         by_positions = replace(self.window, budget_tokens=positions)
         try:
             window = by_positions.plan(past_spans, base_tokens, 0, len(new_turn), params.max_new_tokens)
@@ -317,20 +370,30 @@ class TurnPreparer:
             key = self.base_key(tenant_id, session_id, ids[:base_tokens])
             base, origin = self.tiers.base_layer(tenant_id, key, tuple(ids[:base_tokens]))
             base_reused = 0 if origin == "built" else base_tokens
-        kept = restack_kept(_stream_layers(ids, past_spans), window.demote, base_tokens)
-        cache = self.fitting.prefill_layers(self.engine.empty_cache(base), kept.ids, kept.spans)
-        try:
-            fitted = self.fitting.fit(_apply_pins(cache, transcript.pinned), (), new_turn, params.max_new_tokens)
-        except ContextTooLong:  # the recent window alone is too large: whole turns must go
+        empty = self.engine.empty_cache(base)
+        if not empty.full_layers:
             return None
+        kept = restack_kept(_stream_layers(ids, past_spans), window.demote, base_tokens)
+        try:
+            if chunked:
+                past = self.fitting.prefill_evicting(empty, kept)
+                cache, peak = past.cache, past.peak_tokens
+            else:
+                cache = self.fitting.prefill_layers(empty, kept.ids, kept.spans)
+                peak = cache.total_tokens
+            fitted = self.fitting.fit(_apply_pins(cache, transcript.pinned), (), new_turn, params.max_new_tokens)
+        except ContextTooLong:  # the base, pins and recent window alone are too large: whole turns must go
+            return None
+        evicted = sum(span.evicted_tokens for span in fitted.cache.layers)
         return TurnStart(
             fitted.cache,
             reused_tokens=base_reused,
             base_reused=base_reused,
-            demoted_tokens=window.demoted_tokens + fitted.demoted_tokens,
+            demoted_tokens=window.demoted_tokens + evicted,
             base_computed=base_tokens - base_reused + len(kept.ids),
             working=fitted.working,
             prefilled_tokens=fitted.prefilled_tokens,
+            peak_tokens=max(peak, fitted.peak_tokens),
         )
 
 

@@ -28,13 +28,11 @@ from cache.session_cache import BaseLayer, SessionCache
 from cache.tier_manager import TierManager
 from cache.tiers import CacheKey
 from cache.token_eviction import committed_scores
-from cache.window_policy import WindowPolicy
 from cache.working_cache import WorkingCache
 from sessions.cancellation import CancelToken
 from sessions.engine import Engine, Request, RequestResult
 from sessions.errors import SessionNotFound
 from sessions.sampling import SamplingParams
-from sessions.turn.chat_template import ChatTemplate
 from sessions.turn.completion import Generation, TurnOutcome, TurnRules, complete_turn
 from sessions.turn.detokenizer import IncrementalDetokenizer
 from sessions.turn.prepared import PendingBase, PreparedTurn
@@ -44,32 +42,15 @@ from sessions.turn.transcript import Transcript
 
 
 class TurnRunner:
-    """Runs turns; shared by all sessions of a `SessionManager`."""
+    """Runs turns; shared by all sessions of a `SessionManager`. `preparer`: built by the
+    composition root with the `KvReuse` policy the runner follows too (what a turn's base is
+    adopted into)."""
 
-    def __init__(
-        self,
-        *,
-        engine: Engine,
-        template: ChatTemplate,
-        tiers: TierManager,
-        window: WindowPolicy,
-        share_base: bool,
-        reuse_kv: bool = True,
-        restore_or_recompute: bool = False,
-    ) -> None:
+    def __init__(self, *, engine: Engine, tiers: TierManager, preparer: TurnPreparer) -> None:
         self.engine = engine
         self.tiers = tiers
-        self.reuse_kv = reuse_kv
-        self.preparer = TurnPreparer(
-            engine=engine,
-            template=template,
-            tiers=tiers,
-            window=window,
-            share_base=share_base,
-            reuse_kv=reuse_kv,
-            restore_or_recompute=restore_or_recompute,
-        )
-        self.rules = TurnRules(template, engine.stop_token_ids, window.budget_tokens)
+        self.preparer = preparer
+        self.rules = TurnRules(preparer.template, engine.stop_token_ids, preparer.window.budget_tokens)
         self._active: dict[CacheKey, Request] = {}
         self._active_lock = threading.Lock()
         self._preparing: Counter[TenantId] = Counter()
@@ -253,13 +234,13 @@ class TurnRunner:
         return self.engine.empty_cache(self._adopt_base(pending, working, lease))
 
     def _adopt_base(self, pending: PendingBase, working: WorkingCache, lease: Lease) -> BaseLayer:
-        """Copy the base prefix out of the turn's working cache into the tenant's pool (not
-        pooled with `reuse_kv` off)."""
+        """Copy the base prefix out of the turn's working cache into the tenant's pool (as the
+        `KvReuse` policy has it)."""
         n = len(pending.token_ids)
         keys = tuple(layer.filled_keys[:, :, :n].clone() for layer in working.prealloc_layers)
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
         base = BaseLayer(pending.key, pending.token_ids, keys, values)
-        return lease.adopt_base(base) if self.reuse_kv else base
+        return self.preparer.reuse.adopt_base(lease, base)
 
 
 def _with_working(prepared: PreparedTurn, max_new_tokens: int) -> PreparedTurn:

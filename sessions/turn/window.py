@@ -29,9 +29,10 @@ whole turns under every policy.
 
 Kept keys keep their positions under the lossy policies, so positions outgrow the cache; a turn
 whose positions would pass the model's position limit takes the rebuild path instead
-(`positions_overflow`), which under `attention` prefills the kept past (at most 1.25x the budget)
-at contiguous positions and evicts from it the same way (`TurnPreparer._rebuild_by_attention` in
-`sessions/turn/preparer.py`).
+(`positions_overflow`), which prefills the kept past at contiguous positions and evicts from it
+the same way (`TurnPreparer._rebuild_by_eviction` in `sessions/turn/preparer.py`): at once (at
+most 1.25x the budget), or, with `window_rebuild_chunk_tokens`, in chunks that each evict down to
+the budget before the next (`prefill_evicting`).
 
 A session's cache works under either policy, so changing `window_policy` on a home with sessions
 is handled, not refused: `turns` demotes a layer that lost tokens as a whole (its gaps move with
@@ -48,9 +49,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cache.attention_scores import ObservationWindow
+from cache.attention_scores import ObservationWindow, QueryLog
 from cache.session_cache import LayerSpan, SessionCache, span_offsets
-from cache.token_eviction import carry_prefill, evict_by_scores, evictable_tokens, stored_scores
+from cache.token_eviction import carry_prefill, committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
 from cache.working_cache import WorkingCache
 from sessions.engine import Engine
@@ -76,6 +77,8 @@ class FittedWindow:
             followed by the first `prefilled_tokens` of the turn's ids (closing, then turn), with
             room for the rest and the reply; the turn continues it instead of building one.
         prefilled_tokens: how many of the turn's ids `working` already holds.
+        peak_tokens: most tokens a buffer of the window step held (the full cache with the
+            prefilled ids); 0 when it prefilled nothing.
     """
 
     cache: SessionCache
@@ -85,6 +88,7 @@ class FittedWindow:
     eviction_s: float = 0.0
     working: WorkingCache | None = None
     prefilled_tokens: int = 0
+    peak_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,39 @@ def restack_kept(
         spans.append(replace(span, position_start=position, token_count=span.original_tokens, evicted_tokens=0))
         position += span.original_tokens
     return KeptLayers(tuple(ids), tuple(spans))
+
+
+@dataclass(frozen=True)
+class EvictedPast:
+    """A rebuild's kept past, prefilled chunk by chunk (`TurnWindow.prefill_evicting`).
+
+    Attributes:
+        cache: the base and the past, evicted down to the budget.
+        peak_tokens: most tokens one chunk's buffer held (the cache so far plus the chunk).
+    """
+
+    cache: SessionCache
+    peak_tokens: int
+
+
+def chunk_spans(held: Sequence[LayerSpan], kept: Sequence[LayerSpan], start: int, end: int) -> tuple[LayerSpan, ...]:
+    """Layer-table rows a chunk of the kept past fills, from the first layer it touches.
+
+    Args:
+        held: the cache's rows so far (a layer the previous chunk began is extended: its held and
+            evicted counts stay, the chunk's tokens are added).
+        kept: every row of the kept past, whole (`KeptLayers.spans`).
+        start, end: the chunk, as offsets into the kept past's ids.
+    """
+    so_far = {span.original_start: span for span in held}
+    rows, offset = [], 0
+    for span in kept:
+        first, last = max(start, offset), min(end, offset + span.original_tokens)
+        if first < last:
+            old, fed = so_far.get(span.original_start), last - first
+            rows.append(replace(old or span, token_count=(old.token_count if old else 0) + fed))
+        offset += span.original_tokens
+    return tuple(rows)
 
 
 class TurnWindow:
@@ -204,7 +241,8 @@ class TurnWindow:
             scores = self.score(cache, prefill)
             scored = time.perf_counter()
             evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
-            return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored)
+            held = cache.total_tokens + len(prefill)
+            return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored, None, 0, held)
         return self._prefill_and_evict(cache, prefill, excess, max_new_tokens)
 
     def _prefill_and_evict(
@@ -225,7 +263,82 @@ class TurnWindow:
             carried = carry_prefill(evicted, working, ahead, extra - ahead)
             del working
         done = time.perf_counter()
-        return FittedWindow(evicted, excess, False, scored - started, done - scored, carried, ahead)
+        held = cache.total_tokens + ahead
+        return FittedWindow(evicted, excess, False, scored - started, done - scored, carried, ahead, held)
+
+    def prefill_evicting(self, cache: SessionCache, kept: KeptLayers) -> EvictedPast:
+        """`cache` with the kept past `kept` prefilled after it in chunks, evicting as it goes, so
+        that no buffer holds more than the budget plus one chunk (issue 31): a rebuild's cost and
+        memory follow the budget, and it keeps pieces of more of the past than dropping whole
+        oldest turns down to the budget would.
+
+        Each chunk (`rebuild_chunk_tokens`, or more while the cache is below the budget: those
+        need no eviction) is prefilled on the cache so far with its queries captured, then every
+        KV head evicts its lowest-scored tokens (base, pinned turns and the last `recent_tokens`
+        kept) until the cache fits the budget again:
+
+            cache so far (<= budget) | chunk ........ |   prefilled, its queries observed
+            scores                   | ... over both  |   `attention`: the chunk's last
+                                                          `observation_tokens` queries (SnapKV's
+                                                          observation window, Li et al., 2024);
+                                                          `agnostic`: every query, the most
+                                                          attention each token got, accumulated
+                                                          into `own_scores` (KVzip-style, Kim et
+                                                          al., 2025), as when turns commit
+            evicted                  | kept, per head (<= budget) |  the next chunk follows
+
+        This is SnapKV's prefill compression applied chunk by chunk (a bounded "pot" compressed
+        whenever it fills, as InfiniPot does: Kim et al., EMNLP 2024): each time the cache must
+        shrink, its tokens are judged by the latest chunk's queries, not by the whole
+        conversation's (nor by the next question, until the turn's own prefill evicts).
+
+        Args:
+            cache: base (and nothing else held yet) at the position the past starts from.
+            kept: the past's ids and rows at contiguous positions after `cache` (`restack_kept`).
+
+        Raises:
+            ContextTooLong: if a chunk cannot be made to fit: base, pinned turns and the recent
+                window alone exceed the budget.
+            ValueError: if the policy's `rebuild_chunk_tokens` is 0 (a rebuild at once).
+        """
+        if self.window.rebuild_chunk_tokens < 1:
+            raise ValueError("prefill_evicting needs rebuild_chunk_tokens >= 1; 0 prefills the past at once")
+        position, peak = 0, cache.total_tokens
+        while position < len(kept.ids):
+            size = max(self.window.rebuild_chunk_tokens, self.window.budget_tokens - cache.total_tokens, 1)
+            end = min(len(kept.ids), position + size)
+            peak = max(peak, cache.total_tokens + end - position)
+            cache = self._prefill_chunk(cache, kept, position, end)
+            position = end
+        return EvictedPast(cache, peak)
+
+    def _prefill_chunk(self, cache: SessionCache, kept: KeptLayers, start: int, end: int) -> SessionCache:
+        """One step of `prefill_evicting`: `kept.ids[start:end]` prefilled, observed, evicted."""
+        ids = kept.ids[start:end]
+        agnostic = self.window.policy == "agnostic"
+        excess = cache.total_tokens + len(ids) - self.window.budget_tokens
+        with self.device_buffer(cache.total_tokens + len(ids)):
+            working = cache.to_working_cache(len(ids))
+            spans = chunk_spans(cache.layers, kept.spans, start, end)
+            if not agnostic and excess <= 0:  # nothing to evict: no scores needed
+                self.engine.prefill(working, ids)
+                return cache.after_turn(working, ids, spans)
+            observer = QueryLog(working) if agnostic else ObservationWindow(working, self.window.observation_tokens)
+            with observer:
+                self.engine.prefill(working, ids)
+            after = cache.after_turn(working, ids, spans)
+            if isinstance(observer, QueryLog):
+                after = after.with_scores(committed_scores(cache, after, observer.turn_scores()))
+                scores = stored_scores(after)
+            else:
+                scores = observer.scores(after.total_tokens)
+            del working, observer
+        if excess <= 0:
+            return after
+        evictable = evictable_tokens(after, self.window.recent_tokens)
+        if excess > evictable:
+            raise ContextTooLong(after.total_tokens - evictable, self.window.budget_tokens)
+        return evict_by_scores(after, scores, excess, self.window.recent_tokens)
 
     def score(self, cache: SessionCache, prefill: Sequence[int]) -> torch.Tensor:
         """`[full_model_layers, kv_heads, cache.total_tokens]` float32 importance of the cached tokens

@@ -216,8 +216,8 @@ def test_stats_gc_and_master_key_rotation(client: TestClient, tiny_manager: Sess
 
     new_key = "bmV3LW1hc3Rlci1rZXktZm9yLXRoZS10ZXN0cy0zMiE="
     rotated = client.post("/admin/keys/rotate-master", json={"new_key": new_key}).json()
-    assert rotated["from_env"] is True and rotated["master_key_id"] == tiny_manager.keys.master.id
-    assert tiny_manager.keys.master.key != base64.b64decode(MASTER_KEY)
+    assert rotated["from_env"] is True and rotated["master_key_id"] == tiny_manager.internals.keys.master.id
+    assert tiny_manager.internals.keys.master.key != base64.b64decode(MASTER_KEY)
     refused = client.post("/admin/keys/rotate-master", json={})  # a key from settings cannot be generated
     assert refused.status_code == 400 and "pass the new key explicitly" in refused.json()["error"]
     assert client.get("/admin/sessions/" + sid, params={"tenant": "acme"}).json()["layers"]  # still opens

@@ -22,7 +22,7 @@ from app.http.body_limits import DEFAULT_BODY_LIMITS
 from app.http.server import build_app
 from sessions.cancellation import CancelToken
 from sessions.engine import Engine
-from sessions.manager import SessionManager
+from sessions.manager import SessionManager, open_services
 from sessions.settings import Settings
 from tests.conftest import make_settings
 
@@ -54,7 +54,7 @@ class Server:
 
     def wait_idle(self) -> None:
         deadline = time.monotonic() + 30
-        while self.manager.engine.loop.stats().running or self.manager.engine.loop.stats().waiting:
+        while self.manager.internals.engine.loop.stats().running or self.manager.internals.engine.loop.stats().waiting:
             assert time.monotonic() < deadline, "the engine loop is still running a turn"
             time.sleep(0.02)
 
@@ -63,11 +63,12 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_engine: Engine) -> Iterator[Server]:
     home = tmp_path_factory.mktemp("api-http") / "home"
     settings = make_settings(home, max_concurrent_requests_per_tenant=LIMIT)
-    with SessionManager(settings, engine=tiny_engine) as manager:
+    services = open_services(settings, engine=tiny_engine)
+    with services.manager as manager:
         keys = {name: manager.issue_api_key(manager.create_tenant(name)) for name in ("acme", "beta")}
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        app = build_app(manager, local=False, token="admin-token")
+        app = build_app(services, local=False, token="admin-token")
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
@@ -309,7 +310,7 @@ def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
 ) -> None:
     """The work before the engine loop (restore, template, window) shows in
     `chatkv_requests_running` and ends when its client goes: nothing reaches the loop or the store."""
-    runner = server.manager.runner
+    runner = server.manager.internals.runner
     preparing, release = threading.Event(), threading.Event()
     prepare = runner.preparer._prepare_rebuild
 
@@ -321,7 +322,7 @@ def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
     monkeypatch.setattr(runner.preparer, "_prepare_rebuild", slow_prepare)
     monkeypatch.setattr("app.http.forwarding.CancelToken", _RecordedTokens)
     _RecordedTokens.made.clear()
-    before, steps = server.stored(), server.manager.engine.loop.stats().steps
+    before, steps = server.stored(), server.manager.internals.engine.loop.stats().steps
 
     def post_and_go_away() -> None:
         with pytest.raises(httpx.ReadTimeout):
@@ -339,7 +340,7 @@ def test_a_turn_being_prepared_counts_as_running_and_stops_when_its_client_goes(
         release.set()
     _wait_until(lambda: not runner.preparing_by_tenant())
     _wait_until(lambda: server.stored() == before)
-    assert server.manager.engine.loop.stats().steps == steps
+    assert server.manager.internals.engine.loop.stats().steps == steps
 
 
 def test_over_2048_messages_or_a_history_over_its_token_limit_is_refused_and_nothing_is_stored(
@@ -895,7 +896,7 @@ def test_native_sessions_create_list_get_message_prefetch_delete(server: Server)
     ]
     assert detail["messages"][1]["tokens"] == 4 and detail["tier"] == "device"
 
-    server.manager.flush()
+    server.manager.internals.tiers.flush()
     assert server.manager.evict_session("acme", sid, "disk") == "disk"
     prefetch = server.post(f"/sessions/{sid}/prefetch")
     assert (prefetch.status_code, prefetch.json()) == (

@@ -19,7 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.http.body_limits import DEFAULT_BODY_LIMITS, BodyLimitMiddleware, BodyLimits
 from app.http.server import build_app
-from sessions.manager import SessionManager
+from sessions.manager import Services, SessionManager
 
 TOKEN = "test-admin-token"
 HUGE_BYTES = 200_000_000
@@ -122,11 +122,11 @@ def test_bad_limits_are_refused(default: int, prefixes: dict[str, int], message:
 
 
 @pytest.fixture
-def port(tiny_manager: SessionManager) -> Iterator[int]:
+def port(tiny_services: Services) -> Iterator[int]:
     """The whole server app (multi-tenant mode) served by uvicorn in a thread; yields its port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = build_app(tiny_manager, local=False, token=TOKEN)
+    app = build_app(tiny_services, local=False, token=TOKEN)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

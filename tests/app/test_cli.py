@@ -138,10 +138,10 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
     sessions = _populate(home, tiny_engine, "acme", "globex")
     with SessionManager(make_settings(home), engine=tiny_engine) as manager:
         acme, globex = manager.get_tenant("acme").id, manager.get_tenant("globex").id
-        acme_key, globex_key = manager.keys.data_key(acme), manager.keys.data_key(globex)
-        wrapped = manager.metadata.get_tenant(tenant_id=acme)
+        acme_key, globex_key = manager.internals.keys.data_key(acme), manager.internals.keys.data_key(globex)
+        wrapped = manager.internals.metadata.get_tenant(tenant_id=acme)
         assert wrapped is not None and wrapped.wrapped_data_key is not None
-        fingerprint = manager.engine.fingerprint
+        fingerprint = manager.internals.engine.fingerprint
     blob_path = home / "blobs" / acme / f"{sessions['acme']}.ckv"
     surviving = home.parent / "surviving.ckv"  # what a backup or an undeleted disk sector would keep
     shutil.copy(blob_path, surviving)
@@ -160,8 +160,8 @@ def test_tenants_delete_leaves_no_readable_blob(cli: Cli, home: Path, tiny_engin
     assert {b.tenant_id for b in metadata.list_blobs()} == {globex}
     with SessionManager(make_settings(home), engine=tiny_engine) as manager:
         with pytest.raises(NoDataKey):
-            manager.keys.data_key(acme)  # the wrapped key is gone from the database
-        assert manager.keys.data_key(globex) == globex_key  # the other tenant is untouched
+            manager.internals.keys.data_key(acme)  # the wrapped key is gone from the database
+        assert manager.internals.keys.data_key(globex) == globex_key  # the other tenant is untouched
     for key in (parse_master_key(MASTER_KEY), globex_key):  # every key the system still has
         with pytest.raises(AuthenticationFailed):
             open_chunked(key, *split_frame(blob), [aad], max_payload_bytes=len(blob))

@@ -116,11 +116,13 @@ def test_stats_count_the_write_back_copies_on_disk_apart_from_the_sessions_place
     tenant = served.create_tenant("acme")
     for _ in range(2):
         served.chat(tenant, served.open_session(tenant, SYSTEM), "Hello", max_new_tokens=4)
-    served.flush()  # the write-back stored both caches on disk; both stay placed on the device
+    served.internals.tiers.flush()  # the write-back stored both caches on disk; both stay placed on the device
     stats = cli.json(*SERVER, "stats")
     disk, device = stats["tiers"]["disk"], stats["tiers"]["device"]
     assert (device["sessions"], device["copies"]) == (2, 0)
-    assert (disk["sessions"], disk["copies"]) == (0, 2) and disk["bytes"] == served.disk_store.used_bytes() > 0
+    assert (disk["sessions"], disk["copies"]) == (0, 2) and disk[
+        "bytes"
+    ] == served.internals.disk_store.used_bytes() > 0
     plain = cli.ok(*SERVER, "stats").stdout
     assert re.search(rf"^ *disk +0 +2 +{disk['bytes']} +{disk['budget_bytes']} ", plain, re.MULTILINE), plain
     assert re.search(r"^ *tier +sessions +\+ copies +bytes +budget +used *$", plain, re.MULTILINE), plain
@@ -177,7 +179,7 @@ def test_a_tenants_retention_through_the_server_applies_at_its_next_sweep(cli: C
         cli.ok(*SERVER, "tenants", "retention", "acme", "1h").stdout
         == "acme: implicit sessions 1h idle (the tenant's own)\n"
     )
-    record = served.metadata.get_tenant(tenant_id=served.get_tenant("acme").id)
+    record = served.internals.metadata.get_tenant(tenant_id=served.get_tenant("acme").id)
     assert record is not None and record.implicit_retention_s == 3600.0
     for args, message in (
         (("acme", "soon"), "not a duration"),
@@ -186,7 +188,9 @@ def test_a_tenants_retention_through_the_server_applies_at_its_next_sweep(cli: C
     ):
         assert message in assert_one_line_error(cli(*SERVER, "tenants", "retention", *args))
 
-    served.retention.clock = lambda: datetime.now(UTC) + timedelta(hours=1)  # an hour idle, for the server
+    served.internals.histories.retention.clock = lambda: (
+        datetime.now(UTC) + timedelta(hours=1)
+    )  # an hour idle, for the server
     dry = cli.json(*SERVER, "gc", "--dry-run")
     assert [s["id"] for s in dry["expired_implicit_sessions"]] == [sid] and served.list_sessions("acme")
     report = cli.json(*SERVER, "gc")

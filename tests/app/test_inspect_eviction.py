@@ -24,7 +24,7 @@ def test_inspect_shows_kept_and_evicted_tokens_per_layer(
         sid = manager.open_session(tenant, system_prompt="You are terse.")
         for i in range(8):
             manager.chat(tenant, sid, f"note {i}: the parcel number is {1000 + 37 * i}", max_new_tokens=8)
-        cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+        cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
         assert cache is not None and cache.evicted_tokens > 0
         expected = [(s.turn_index, s.token_count, s.evicted_tokens) for s in cache.layers]
     env = cli_environment(

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.http.server import build_app
 from cache.tiers import CacheKey
 from sessions.engine import Engine
-from sessions.manager import SessionManager
+from sessions.manager import Services, SessionManager, open_services
 from sessions.records import Reply
 from tests.conftest import make_settings
 
@@ -22,8 +22,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @pytest.fixture
-def client(tiny_manager: SessionManager) -> Iterator[TestClient]:
-    with TestClient(build_app(tiny_manager, local=True, token=TOKEN)) as client:
+def client(tiny_services: Services) -> Iterator[TestClient]:
+    with TestClient(build_app(tiny_services, local=True, token=TOKEN)) as client:
         yield client
 
 
@@ -87,7 +87,7 @@ def test_evictions_restores_and_integrity_failures(client: TestClient, tiny_mana
     tenant = tiny_manager.create_tenant("acme")
     sid = tiny_manager.open_session(tenant, system_prompt="You are terse.")
     tiny_manager.chat(tenant, sid, "Hello", max_new_tokens=6)
-    tiny_manager.flush()  # the write-back stored this version: the eviction goes straight to disk
+    tiny_manager.internals.tiers.flush()  # the write-back stored this version: the eviction goes straight to disk
     before = scrape(client)
     evicted = client.post(
         f"/admin/sessions/{sid}/evict",
@@ -109,7 +109,7 @@ def test_evictions_restores_and_integrity_failures(client: TestClient, tiny_mana
     _turn_counters_moved(moved, restored, reply)
 
     tiny_manager.evict_session(tenant, sid, "disk")
-    blob = tiny_manager.disk_store.path_for(CacheKey(tenant.id, sid))
+    blob = tiny_manager.internals.disk_store.path_for(CacheKey(tenant.id, sid))
     data = bytearray(blob.read_bytes())
     data[-1] ^= 0x01  # one flipped bit in the AES-GCM tag
     blob.write_bytes(bytes(data))
@@ -123,13 +123,14 @@ def test_evictions_restores_and_integrity_failures(client: TestClient, tiny_mana
 
 def test_per_tenant_labels_only_when_enabled(tmp_path: Path, tiny_engine: Engine) -> None:
     settings = make_settings(tmp_path / "home", metrics_tenant_labels=True)
-    with SessionManager(settings, engine=tiny_engine) as manager:
+    services = open_services(settings, engine=tiny_engine)
+    with services.manager as manager:
         acme, globex = manager.create_tenant("acme"), manager.create_tenant("globex")
         for tenant, turns in ((acme, 2), (globex, 1)):
             sid = manager.open_session(tenant)
             for turn in range(turns):
                 manager.chat(tenant, sid, f"Turn {turn}", max_new_tokens=4)
-        with TestClient(build_app(manager, local=False, token=TOKEN)) as client:
+        with TestClient(build_app(services, local=False, token=TOKEN)) as client:
             samples = scrape(client)
     assert value(samples, "chatkv_tenant_turns_total", tenant=acme.id) == 2
     assert value(samples, "chatkv_tenant_turns_total", tenant=globex.id) == 1
@@ -143,7 +144,8 @@ def test_prompt_tokens_from_cache_and_prefilled_and_forks_by_source(
     tokens prefilled, per tenant with tenant labels (else one `tenant="*"` series: tenant ids are
     unbounded label values); `chatkv_forks_total` counts forks by where their cache came from."""
     settings = make_settings(tmp_path / "home", metrics_tenant_labels=tenant_labels)
-    with SessionManager(settings, engine=tiny_engine) as manager:
+    services = open_services(settings, engine=tiny_engine)
+    with services.manager as manager:
         replies: dict[str, list[Reply]] = {}
         for name, turns in (("acme", 2), ("globex", 1)):
             tenant = manager.create_tenant(name)
@@ -151,11 +153,11 @@ def test_prompt_tokens_from_cache_and_prefilled_and_forks_by_source(
             replies[tenant.id] = [manager.chat(tenant, sid, f"Turn {t}", max_new_tokens=4) for t in range(turns)]
         acme = manager.get_tenant("acme").id
         parent = manager.list_sessions(acme)[0].id
-        manager.flush()
+        manager.internals.tiers.flush()
         manager.evict_session(acme, parent, "disk")
         fork = manager.fork(acme, parent, 1)
         replies[acme].append(manager.chat(acme, fork, "Elsewhere", max_new_tokens=4))
-        with TestClient(build_app(manager, local=False, token=TOKEN)) as client:
+        with TestClient(build_app(services, local=False, token=TOKEN)) as client:
             samples = scrape(client)
 
     def tokens(tenant_ids: list[str], source: str) -> int:

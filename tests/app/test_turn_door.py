@@ -14,15 +14,15 @@ from sqlalchemy import event
 from app.cli.sessions import _origin_text
 from app.http.server import build_app
 from app.ui.sessions import SessionLabels
-from sessions.manager import SessionManager
+from sessions.manager import Services, SessionManager
 
 TOKEN = "door-test-token"
 SYSTEM = "You are terse."
 
 
 @pytest.fixture
-def client(tiny_manager: SessionManager) -> Iterator[TestClient]:
-    with TestClient(build_app(tiny_manager, local=True, token=TOKEN)) as client:
+def client(tiny_services: Services) -> Iterator[TestClient]:
+    with TestClient(build_app(tiny_services, local=True, token=TOKEN)) as client:
         yield client
 
 
@@ -53,7 +53,7 @@ def test_each_chat_completion_runs_one_prefix_query(client: TestClient, tiny_man
 
     system = {"role": "system", "content": SYSTEM}
     first = {"role": "user", "content": "Hello"}
-    event.listen(tiny_manager._db, "before_cursor_execute", count)
+    event.listen(tiny_manager.internals.database, "before_cursor_execute", count)
     try:
         per_request = []
         session, reply = _chat(client, auth, [system, first])  # new
@@ -64,7 +64,7 @@ def test_each_chat_completion_runs_one_prefix_query(client: TestClient, tiny_man
         forked, _ = _chat(client, auth, again)  # the same post again: a fork of the session
         per_request.append(len(prefix_queries))
     finally:
-        event.remove(tiny_manager._db, "before_cursor_execute", count)
+        event.remove(tiny_manager.internals.database, "before_cursor_execute", count)
     assert continued == session and forked != session
     # A first message has no earlier turns to look up; each later post looks its history up once
     # (routing and running used to look it up once each).

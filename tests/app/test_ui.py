@@ -34,7 +34,7 @@ from app.ui.forks import (
 from app.ui.render import error_html, note_html, stats_html, stats_row
 from app.ui.sessions import ago
 from sessions import TurnStats
-from sessions.manager import SessionManager
+from sessions.manager import Services, SessionManager
 from sessions.validation import MAX_MESSAGE_CHARS
 
 UNKNOWN_KEY_HTML = error_html(UNKNOWN_KEY_MESSAGE)
@@ -55,8 +55,8 @@ def _choice_ids(view: View) -> list[str]:
     return [value for _, value in view.session_picker["choices"]]
 
 
-def test_healthz_metrics_and_page_are_served(tiny_manager: SessionManager) -> None:
-    with TestClient(build_app(tiny_manager, local=True, token="t0ken")) as client:
+def test_healthz_metrics_and_page_are_served(tiny_manager: SessionManager, tiny_services: Services) -> None:
+    with TestClient(build_app(tiny_services, local=True, token="t0ken")) as client:
         health = client.get("/healthz")
         assert health.status_code == 200
         assert health.json() == {"status": "ok", "model": tiny_manager.model_name}

@@ -48,8 +48,8 @@ CHROMIUM_ARGS = [
 START_TIMEOUT_S = 120.0
 TURN_TIMEOUT_MS = 60_000
 SERVE = (
-    "from sessions import SessionManager; from app.http.server import serve; "
-    "serve(SessionManager(), port={port}, local={local})"
+    "from sessions import open_services; from app.http.server import serve; "
+    "serve(open_services(), port={port}, local={local})"
 )
 
 

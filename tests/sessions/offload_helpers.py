@@ -68,10 +68,10 @@ def reference_reply(
 ) -> tuple[int, ...]:
     """The greedy reply to `message` after the session's stored transcript, by full re-prefill."""
     record = manager.session_info(tenant_id, session_id)
-    conversation = manager.template.conversation(
+    conversation = manager.internals.template.conversation(
         record.system_prompt, past_turns(manager, tenant_id, session_id), message
     )
-    return greedy_from_scratch(manager.engine, conversation.token_ids, max_new_tokens)
+    return greedy_from_scratch(manager.internals.engine, conversation.token_ids, max_new_tokens)
 
 
 def new_turn_tokens(manager: SessionManager, tenant_id: str, session_id: str, message: str) -> int:
@@ -79,18 +79,18 @@ def new_turn_tokens(manager: SessionManager, tenant_id: str, session_id: str, me
     reply the model never saw (its last token unless it was a stop token, and the template's
     closing) plus the new user turn up to the generation prompt."""
     past = past_turns(manager, tenant_id, session_id)
-    tokenizer = manager.engine.tokenizer
+    tokenizer = manager.internals.engine.tokenizer
     closing = tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
     framing = tokenizer.encode(
         f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
     )
-    unfed = 0 if past[-1].assistant_ids[-1] in manager.engine.stop_token_ids else 1
+    unfed = 0 if past[-1].assistant_ids[-1] in manager.internals.engine.stop_token_ids else 1
     return unfed + len(closing) + len(framing)
 
 
 def integrity_failures(manager: SessionManager) -> float:
     """`chatkv_integrity_failures_total`, summed over tiers."""
-    registry = manager.metrics.registry
+    registry = manager.internals.metrics.registry
     return sum(
         registry.get_sample_value("chatkv_integrity_failures_total", {"tier": tier}) or 0.0
         for tier in ("device", "host", "disk")
@@ -98,4 +98,4 @@ def integrity_failures(manager: SessionManager) -> float:
 
 
 def restores(manager: SessionManager, tier: str) -> float:
-    return manager.metrics.registry.get_sample_value("chatkv_restores_total", {"tier": tier}) or 0.0
+    return manager.internals.metrics.registry.get_sample_value("chatkv_restores_total", {"tier": tier}) or 0.0

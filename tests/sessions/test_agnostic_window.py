@@ -32,7 +32,7 @@ def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionMana
 
 
 def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     return cache
 
@@ -81,7 +81,7 @@ def test_scores_follow_the_cache_and_the_base_and_recent_window_stay(tmp_path: P
             assert all(bool((s >= 0).all()) and bool((s <= 1).all()) for s in scores)  # attention weights
             evicted += reply.stats.demoted_tokens
         assert evicted > 0 and cache.evicted_tokens > 0
-        assert cache.base_token_ids == tuple(manager.template.system_prefix_ids(SYSTEM))
+        assert cache.base_token_ids == tuple(manager.internals.template.system_prefix_ids(SYSTEM))
         stream_end = cache.next_original_index
         index = cache.own_stream_index
         assert index is not None

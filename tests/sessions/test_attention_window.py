@@ -23,6 +23,7 @@ from tests.conftest import make_settings
 SYSTEM = "You answer in one short sentence."
 MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
 BUDGET, RECENT = 200, 24
+CHUNK = 128  # window_rebuild_chunk_tokens in the test of the reservations
 
 
 def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
@@ -49,7 +50,7 @@ def evicted_session(home: Path, engine: Engine) -> str:
 
 
 def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     return cache
 
@@ -60,7 +61,7 @@ def test_tokens_are_evicted_per_head_while_every_turn_layer_and_the_base_stay(
     with open_manager(tmp_path / "home", tiny_engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
-        base_ids = manager.template.system_prefix_ids(SYSTEM)
+        base_ids = manager.internals.template.system_prefix_ids(SYSTEM)
         evicted = 0
         for turn, message in enumerate(MESSAGES):
             before = cache_of(manager, tenant.id, sid) if turn else None
@@ -90,18 +91,18 @@ def test_tokens_are_evicted_per_head_while_every_turn_layer_and_the_base_stay(
 def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(
     tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with open_manager(tmp_path / "home", tiny_engine) as manager:
+    with open_manager(tmp_path / "home", tiny_engine, window_rebuild_chunk_tokens=CHUNK) as manager:
         # Reservations made on the turn's own thread (the engine loop's admission of the request
         # itself runs on the loop's thread and is not counted here).
         reserved: list[int] = []
-        reserve = manager.tiers.reserve_device_bytes
+        reserve = manager.internals.tiers.reserve_device_bytes
 
         def recording(nbytes: int, *, force: bool) -> bool:
             if threading.current_thread() is threading.main_thread():
                 reserved.append(nbytes)
             return reserve(nbytes, force=force)
 
-        monkeypatch.setattr(manager.tiers, "reserve_device_bytes", recording)
+        monkeypatch.setattr(manager.internals.tiers, "reserve_device_bytes", recording)
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         per_token = tiny_engine.layout.bytes_per_token
@@ -119,8 +120,10 @@ def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(
         manager.evict_session(tenant, sid, "drop")
         reserved.clear()
         assert manager.chat(tenant, sid, MESSAGES[8], max_new_tokens=8).stats.restored_from == "rebuilt"
-        assert len(reserved) == 2  # the kept past's prefill, then the scoring copy
-        assert manager.tiers.usage().reserved_device_bytes == 0  # every reservation was given back
+        *chunks, scoring = reserved  # the kept past's chunks, then the scoring copy
+        assert len(chunks) >= 2 and all(n <= (BUDGET + CHUNK) * per_token for n in chunks), chunks
+        assert scoring > BUDGET * per_token // 2
+        assert manager.internals.tiers.usage().reserved_device_bytes == 0  # every reservation was given back
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -217,9 +220,11 @@ def test_positions_past_the_model_limit_rebuild_the_window(
         assert all(after == "device" for before, after in itertools.pairwise(sources) if before == "rebuilt")
 
 
-def test_a_rebuild_without_a_stored_cache_evicts_by_attention(tmp_path: Path, tiny_engine: Engine) -> None:
+def test_a_rebuild_at_once_without_a_stored_cache_evicts_by_attention(tmp_path: Path, tiny_engine: Engine) -> None:
+    """`window_rebuild_chunk_tokens` 0 (the default): the kept past prefilled at once (chunked
+    rebuilds: tests/sessions/test_window_rebuild.py)."""
     home = tmp_path / "home"
-    with open_manager(home, tiny_engine) as manager:
+    with open_manager(home, tiny_engine, window_rebuild_chunk_tokens=0) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         for message in MESSAGES[:6]:
@@ -260,19 +265,22 @@ def test_a_version_1_blob_sealed_before_the_upgrade_still_opens(tmp_path: Path, 
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         manager.chat(tenant, sid, MESSAGES[0], max_new_tokens=8)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         cache = cache_of(manager, tenant.id, sid)
         tensors, header = session_cache_to_tensors(cache)
         header = {**header, "format_version": 1, "model_fingerprint": tiny_engine.fingerprint}
         old = seal(
-            manager.keys.data_key(tenant.id),
+            manager.internals.keys.data_key(tenant.id),
             codec.encode(tensors, header),
             blob_aad(key.tenant_id, key.name, tiny_engine.fingerprint, 1),
         )
-        opened = manager.sealer.open_session(key, old)
+        opened = manager.internals.sealer.open_session(key, old)
         assert opened.layers == cache.layers and opened.own_token_ids == cache.own_token_ids
         assert all(torch.equal(a, b) for a, b in zip(opened.own_keys, cache.own_keys, strict=True))
-        assert manager.sealer.open_session(key, manager.sealer.seal_session(key, cache)).layers == cache.layers
+        assert (
+            manager.internals.sealer.open_session(key, manager.internals.sealer.seal_session(key, cache)).layers
+            == cache.layers
+        )
 
 
 class FedTokens:

@@ -54,13 +54,13 @@ def test_conversation_of_100k_tokens_stays_within_a_small_window(tmp_path: Path,
     with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=budget), engine=tiny_engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="You keep answers short.")
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         message = "tell me a long story about " + "the sea and the sky " * 70  # ~ 400 tokens a turn
         total = 0
         turns = 0
         while total < 100_000:
             reply = manager.chat(tenant, sid, f"{turns}: {message}", max_new_tokens=16)
-            cache = manager.tiers.peek(key)
+            cache = manager.internals.tiers.peek(key)
             assert cache is not None
             assert cache.total_tokens <= budget
             assert max(span.position_end for span in cache.full_layer_table()) <= min(budget, max_position)
@@ -75,16 +75,16 @@ def test_long_system_prompt_stays_in_the_context_of_every_reply(tmp_path: Path, 
     system_prompt = "Rules: " + "always answer politely and keep to the facts. " * 160
     settings = make_settings(tmp_path / "home", context_budget_tokens=2048)
     with SessionManager(settings, engine=tiny_engine) as manager:
-        system_ids = manager.template.system_prefix_ids(system_prompt)
+        system_ids = manager.internals.template.system_prefix_ids(system_prompt)
         assert 1400 <= len(system_ids) <= 1700
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=system_prompt)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         demoted = 0
         for turn in range(12):
             reply = manager.chat(tenant, sid, f"question {turn}: " + "details " * 40, max_new_tokens=16)
             demoted += reply.stats.demoted_tokens
-            cache = manager.tiers.peek(key)
+            cache = manager.internals.tiers.peek(key)
             assert cache is not None and cache.total_tokens <= 2048
             assert cache.base_token_ids == system_ids  # the system prompt is in every reply's context
         assert demoted > 0
@@ -109,7 +109,7 @@ def test_pinned_turns_survive_the_window(tmp_path: Path, tiny_engine: Engine) ->
         with pytest.raises(InvalidInput, match="no turn"):
             manager.pin_turn(tenant, sid, 99)
         # Pins are stored: a rebuilt cache (after a restart without blobs) keeps them too.
-        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == (0, 2)
+        assert manager.internals.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == (0, 2)
 
 
 @torch.inference_mode()
@@ -136,14 +136,14 @@ def test_reprefill_mode_reply_after_windowing_equals_a_fresh_prefill_of_base_and
     with SessionManager(settings, engine=engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="You are a concise assistant.")
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         windowed = 0
         for message in ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a city.", "Name a tree."]:
-            before = manager.tiers.peek(key)
+            before = manager.internals.tiers.peek(key)
             reply = manager.chat(tenant, sid, message, max_new_tokens=24)
             if reply.stats.demoted_tokens:
                 windowed += 1
-                after = manager.tiers.peek(key)
+                after = manager.internals.tiers.peek(key)
                 assert before is not None and after is not None
                 prompt = list(after.token_ids[: after.total_tokens - (reply.stats.decode_tokens - 1)])
                 assert list(reply.token_ids) == greedy(engine, prompt, 24)
@@ -169,7 +169,7 @@ def test_model_with_a_non_composable_rope_uses_the_reprefill_path(tmp_path: Path
             for i in range(6)
         )
         assert demoted > 0
-        cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+        cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
         assert cache is not None and cache.total_tokens <= 120
 
 
@@ -181,13 +181,13 @@ def test_pins_that_would_leave_no_room_are_refused_so_a_session_stays_usable(
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant)
         manager.chat(tenant, sid, "word " * 230, max_new_tokens=4)  # turn 0 would eat the window
-        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == ()
+        assert manager.internals.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == ()
         assert manager.chat(tenant, sid, "hi", max_new_tokens=1).stats.restored_from == "device"
         manager.pin_turn(tenant, sid, 1)  # a short turn fits
         manager.chat(tenant, sid, "word " * 200, max_new_tokens=4)
         with pytest.raises(InvalidInput, match="leave less than"):
             manager.pin_turn(tenant, sid, 2)
-        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == (1,)
+        assert manager.internals.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == (1,)
         assert manager.chat(tenant, sid, "still usable?", max_new_tokens=2).stats.cache_tokens <= 300
 
 
@@ -200,7 +200,7 @@ def test_pin_checks_a_cache_that_is_not_on_the_device_too(tmp_path: Path, tiny_e
         manager.evict_session(tenant, sid, "host")
         with pytest.raises(InvalidInput, match="demoted"):
             manager.pin_turn(tenant, sid, 0)
-        assert manager.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == ()
+        assert manager.internals.metadata.get_session(tenant_id=tenant.id, session_id=sid).pinned_turns == ()
 
 
 @pytest.fixture(scope="module")
@@ -244,11 +244,11 @@ def test_partial_rotary_model_keeps_chatting_through_the_window_with_exact_first
     with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=120), engine=engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt="Be brief.")
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         windowed = 0
         for turn in range(8):
             reply = manager.chat(tenant, sid, f"message {turn}", max_new_tokens=8)
-            cache = manager.tiers.peek(key)
+            cache = manager.internals.tiers.peek(key)
             assert cache is not None and cache.base is not None and cache.total_tokens <= 120
             if not reply.stats.demoted_tokens:
                 continue

@@ -145,12 +145,12 @@ def test_closing_a_stream_cancels_the_request_and_frees_its_kv(tiny_manager: Ses
     first = next(stream)
     assert isinstance(first, str)
     stream.close()
-    manager.engine.loop.submit(  # a request behind it runs once the cancelled one is dropped
-        Request(tenant_id=tenant.id, prefill_ids=[1, 2], params=None, start=manager.engine.empty_cache(None))
+    manager.internals.engine.loop.submit(  # a request behind it runs once the cancelled one is dropped
+        Request(tenant_id=tenant.id, prefill_ids=[1, 2], params=None, start=manager.internals.engine.empty_cache(None))
     ).result()
-    stats = manager.engine.loop.stats()
+    stats = manager.internals.engine.loop.stats()
     assert sum(stats.running.values()) == 0 and sum(stats.waiting.values()) == 0
-    assert manager.tiers.usage().reserved_device_bytes == 0
+    assert manager.internals.tiers.usage().reserved_device_bytes == 0
     assert manager.history(tenant, sid) == []  # nothing stored
     reply = manager.chat(tenant, sid, "hello again", max_new_tokens=4)  # the session is free at once
     assert len(manager.history(tenant, sid)) == 2 and reply.stats.restored_from == "new"
@@ -211,7 +211,7 @@ def test_a_waiting_request_whose_session_is_deleted_fails_with_session_not_found
             undo()
         assert isinstance(results.get("b"), SessionNotFound)
         assert isinstance(results.get("a"), Reply) and len(manager.history(tenant, running)) == 2
-        assert manager.tiers.usage().reserved_device_bytes == 0
+        assert manager.internals.tiers.usage().reserved_device_bytes == 0
         tiny_engine.loop.configure(SchedulerConfig())
 
 
@@ -223,7 +223,7 @@ def test_a_tenant_deleted_mid_batch_fails_only_its_own_turns(tiny_manager: Sessi
     ]
     reference = manager.open_session(kept)
     want = manager.chat(kept, reference, "same words", max_new_tokens=24).token_ids
-    entered, release, undo = hold_the_loop(manager.engine)
+    entered, release, undo = hold_the_loop(manager.internals.engine)
     try:
         results: list[object] = [None] * 6
 
@@ -241,7 +241,7 @@ def test_a_tenant_deleted_mid_batch_fails_only_its_own_turns(tiny_manager: Sessi
         release.set()
         undo()
         for _ in range(500):  # until all six decode together
-            if sum(manager.engine.loop.stats().running.values()) == 6:
+            if sum(manager.internals.engine.loop.stats().running.values()) == 6:
                 break
             threading.Event().wait(0.005)
         manager.delete_tenant(doomed)
@@ -251,7 +251,7 @@ def test_a_tenant_deleted_mid_batch_fails_only_its_own_turns(tiny_manager: Sessi
         release.set()
     assert all(isinstance(r, SessionNotFound | TenantNotFound) for r in results[:3]), results[:3]
     assert all(isinstance(r, Reply) and r.token_ids == want for r in results[3:]), results[3:]
-    assert manager.tiers.usage().reserved_device_bytes == 0
+    assert manager.internals.tiers.usage().reserved_device_bytes == 0
 
 
 def test_a_long_prefill_shares_each_step_with_the_running_decode(tmp_path: Path, tiny_engine: Engine) -> None:
@@ -300,14 +300,14 @@ def test_twenty_threads_over_four_tenants_with_small_budgets(tmp_path: Path, tin
             assert reply.token_ids == want[i], f"session {i} got another reply"  # no mixed replies
             history = manager.history(tenants[i % 4], sids[i])
             assert [m.text for m in history] == [f"message {i}", reply.text]  # nothing lost
-        usage = manager.tiers.usage()
+        usage = manager.internals.tiers.usage()
         assert usage.bytes[Tier.DEVICE] <= budget and usage.bytes[Tier.HOST] <= budget
         assert usage.sessions[Tier.HOST] + usage.sessions[Tier.DISK] > 0  # the budget did force offloading
         assert usage.reserved_device_bytes == 0
 
 
 def test_one_requests_bad_logits_fail_only_that_request(tiny_manager: SessionManager) -> None:
-    manager, engine = tiny_manager, tiny_manager.engine
+    manager, engine = tiny_manager, tiny_manager.internals.engine
     tenant = manager.create_tenant("acme")
     sids = [manager.open_session(tenant) for _ in range(4)]
     alone = attempt(manager, tenant, manager.open_session(tenant))
@@ -346,7 +346,7 @@ def test_one_requests_bad_logits_fail_only_that_request(tiny_manager: SessionMan
     failed = [r for r in results if isinstance(r, RuntimeError)]
     assert len(failed) == 1, results
     assert [r.token_ids for r in results if isinstance(r, Reply)] == [want] * 3
-    assert manager.tiers.usage().reserved_device_bytes == 0
+    assert manager.internals.tiers.usage().reserved_device_bytes == 0
 
 
 def attempt(manager: SessionManager, tenant: object, sid: str) -> object:
@@ -363,18 +363,18 @@ def test_a_failed_eviction_at_admission_releases_its_reservation(tmp_path: Path,
         tenant = manager.create_tenant("acme")
         first, second = manager.open_session(tenant), manager.open_session(tenant)
         manager.chat(tenant, first, "hello there", max_new_tokens=8)  # idle on the device now
-        evict = manager.tiers._moves._evict_one_from_device
+        evict = manager.internals.tiers._moves._evict_one_from_device
 
         def full_disk(tenant_id: object) -> int | None:
             raise OSError(28, "No space left on device")
 
-        manager.tiers._moves._evict_one_from_device = full_disk  # type: ignore[method-assign,assignment]
+        manager.internals.tiers._moves._evict_one_from_device = full_disk  # type: ignore[method-assign,assignment]
         try:
             with pytest.raises(OSError):
                 manager.chat(tenant, second, "and you", max_new_tokens=30)
         finally:
-            manager.tiers._moves._evict_one_from_device = evict  # type: ignore[method-assign]
-        assert manager.tiers.usage().reserved_device_bytes == 0
+            manager.internals.tiers._moves._evict_one_from_device = evict  # type: ignore[method-assign]
+        assert manager.internals.tiers.usage().reserved_device_bytes == 0
         assert manager.history(tenant, second) == []
         reply = manager.chat(tenant, second, "and you", max_new_tokens=30)  # the loop still serves
         assert len(manager.history(tenant, second)) == 2 and reply.text is not None

@@ -43,12 +43,12 @@ def expected_new_turn_tokens(manager: SessionManager, past: list[PastTurn], mess
     """Tokens a follow-up turn must prefill, counted independently of the turn runner: the
     template's rendering of the new user turn, plus the end of the previous reply that the model
     never saw (its stop token is replaced by the template's `<|im_end|>\\n`)."""
-    tokenizer = manager.engine.tokenizer
+    tokenizer = manager.internals.engine.tokenizer
     closing = tokenizer.encode("<|im_end|>\n", add_special_tokens=False)
     framing = tokenizer.encode(
         f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
     )
-    unfed_tail = 0 if past[-1].assistant_ids[-1] in manager.engine.stop_token_ids else 1
+    unfed_tail = 0 if past[-1].assistant_ids[-1] in manager.internals.engine.stop_token_ids else 1
     return unfed_tail + len(closing) + len(framing)
 
 
@@ -59,8 +59,8 @@ def test_five_turns_match_full_reprefill_and_prefill_only_new_tokens(real_manage
     past: list[PastTurn] = []
     for turn, message in enumerate(MESSAGES):
         reply = manager.chat(tenant, sid, message, max_new_tokens=40)
-        conversation = manager.template.conversation("You are a concise assistant.", past, message)
-        reference = greedy_from_scratch(manager.engine, list(conversation.token_ids), 40)
+        conversation = manager.internals.template.conversation("You are a concise assistant.", past, message)
+        reference = greedy_from_scratch(manager.internals.engine, list(conversation.token_ids), 40)
         assert list(reply.token_ids) == reference, f"turn {turn} differs from a full re-prefill"
         if turn == 0:
             assert reply.stats.restored_from == "new"

@@ -59,11 +59,11 @@ def test_a_fork_reads_its_parent_where_it_is(tiny_manager: SessionManager, tier:
     manager = tiny_manager
     tenant = manager.create_tenant("acme").id
     parent = conversation(manager, tenant, 3)
-    manager.flush()
+    manager.internals.tiers.flush()
     manager.evict_session(tenant, parent, tier)
     fork = manager.fork(tenant, parent, 2)
-    assert manager.tiers.placement(key_of(tenant, parent)) == (
-        None if tier == "drop" else manager.tiers.placement(key_of(tenant, parent))
+    assert manager.internals.tiers.placement(key_of(tenant, parent)) == (
+        None if tier == "drop" else manager.internals.tiers.placement(key_of(tenant, parent))
     )
     expected = reference_reply(manager, tenant, fork, "Something else.", TOKENS)
     reply = manager.chat(tenant, fork, "Something else.", max_new_tokens=TOKENS)
@@ -150,7 +150,7 @@ def test_identical_posts_at_once_all_complete_exactly(tmp_path: Path, tiny_engin
         tenant = manager.create_tenant("acme").id
         parent = stateless_conversation(manager, tenant, 2)
         history = returned(manager, tenant, parent)
-        manager.flush()
+        manager.internals.tiers.flush()
         manager.evict_session(tenant, parent, "disk")  # the forks' seeds are slow to read: a wider race
         results: list[tuple[Reply, PlannedTurn]] = []
         errors: list[BaseException] = []

@@ -20,11 +20,11 @@ def test_a_session_is_found_by_its_exact_history_and_only_by_its_tenant(tiny_man
     sid = manager.open_session(acme, "Be terse.")
     first = manager.chat(acme, sid, "Hello", max_new_tokens=4)
     history = [("Hello", first.text)]
-    assert manager.find_sessions_by_history(acme, "Be terse.", history) == [sid]
-    assert manager.find_sessions_by_history(beta, "Be terse.", history) == []
-    assert manager.find_sessions_by_history(acme, None, history) == []
-    assert manager.find_sessions_by_history(acme, "Be terse.", [("Hello", first.text + " ")]) == []
-    assert manager.find_sessions_by_history(acme, "Be terse.", []) == []  # nothing to reuse
+    assert manager.internals.registry.find_by_history(acme.id, "Be terse.", history) == [sid]
+    assert manager.internals.registry.find_by_history(beta.id, "Be terse.", history) == []
+    assert manager.internals.registry.find_by_history(acme.id, None, history) == []
+    assert manager.internals.registry.find_by_history(acme.id, "Be terse.", [("Hello", first.text + " ")]) == []
+    assert manager.internals.registry.find_by_history(acme.id, "Be terse.", []) == []  # nothing to reuse
 
 
 def test_a_found_session_that_moved_on_is_not_continued(tiny_manager: SessionManager) -> None:
@@ -43,7 +43,7 @@ def test_a_session_started_from_a_posted_history_prefills_it_once(tiny_manager: 
     tenant = manager.create_tenant("acme")
     posted = [("What is 2+2?", "4"), ("And 3+3?", "")]
     sid = manager.open_session(tenant, "Be terse.", history=posted)
-    assert manager.find_sessions_by_history(tenant, "Be terse.", posted) == [sid]
+    assert manager.internals.registry.find_by_history(tenant.id, "Be terse.", posted) == [sid]
     history = manager.history(tenant, sid)
     assert [(m.role, m.text) for m in history] == [
         ("user", "What is 2+2?"),
@@ -51,11 +51,11 @@ def test_a_session_started_from_a_posted_history_prefills_it_once(tiny_manager: 
         ("user", "And 3+3?"),
         ("assistant", ""),
     ]
-    stop = manager.engine.stop_token_ids[0]
-    assert history[1].token_ids == (*manager.engine.tokenizer.encode("4", add_special_tokens=False), stop)
+    stop = manager.internals.engine.stop_token_ids[0]
+    assert history[1].token_ids == (*manager.internals.engine.tokenizer.encode("4", add_special_tokens=False), stop)
     reply = manager.chat(tenant, sid, "And 4+4?", max_new_tokens=4)
     past = [PastTurn(u.text, a.text, a.token_ids) for u, a in zip(history[::2], history[1::2], strict=True)]
-    conversation = manager.template.conversation("Be terse.", past, "And 4+4?")
+    conversation = manager.internals.template.conversation("Be terse.", past, "And 4+4?")
     assert reply.stats.restored_from == "rebuilt"
     assert reply.stats.prefill_tokens + reply.stats.reused_tokens == len(conversation.token_ids)
     follow = manager.chat(tenant, sid, "And 5+5?", max_new_tokens=4)
@@ -77,7 +77,7 @@ def test_with_reuse_off_every_turn_re_prefills_the_conversation_and_replies_do_n
             replies[reuse] = [manager.chat(tenant, sid, m, max_new_tokens=6) for m in messages]
             if not reuse:
                 assert manager.session_info(tenant, sid).tier is None  # no cache kept
-                assert len(manager.tiers.pool) == 0
+                assert len(manager.internals.tiers.pool) == 0
     for on, off in zip(replies[True], replies[False], strict=True):
         assert off.token_ids == on.token_ids
         assert off.stats.reused_tokens == 0

@@ -111,7 +111,7 @@ def test_message_longer_than_the_context_raises_context_too_long_and_stores_noth
     sid = tiny_manager.open_session(tenant)
     first = tiny_manager.chat(tenant, sid, "hello", max_new_tokens=4)
     before = tiny_manager.session_info(tenant, sid)
-    cache_before = tiny_manager.tiers.peek(tiny_manager.tiers_key(tenant, sid))
+    cache_before = tiny_manager.internals.tiers.peek(tiny_manager.internals.tiers_key(tenant, sid))
     huge = "word " * (tiny_manager.context_budget_tokens + 10)
     with pytest.raises(ContextTooLong) as error:
         tiny_manager.chat(tenant, sid, huge, max_new_tokens=4)
@@ -126,7 +126,7 @@ def test_message_longer_than_the_context_raises_context_too_long_and_stores_noth
             2,
         )
     )
-    assert tiny_manager.tiers.peek(tiny_manager.tiers_key(tenant, sid)) is cache_before
+    assert tiny_manager.internals.tiers.peek(tiny_manager.internals.tiers_key(tenant, sid)) is cache_before
     again = tiny_manager.chat(tenant, sid, "still there?", max_new_tokens=4)
     assert again.stats.restored_from == "device"
     assert again.stats.reused_tokens == first.stats.cache_tokens
@@ -176,14 +176,14 @@ def test_deleted_session_is_gone_everywhere(tiny_manager: SessionManager) -> Non
     tiny_manager.delete_session(tenant, sid)
     with pytest.raises(SessionNotFound):
         tiny_manager.history(tenant, sid)
-    assert tiny_manager.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
+    assert tiny_manager.internals.tiers.placement(tiny_manager.internals.tiers_key(tenant, sid)) is None
     with pytest.raises(SessionNotFound):
         tiny_manager.delete_session(tenant, sid)
 
 
 def test_deleted_tenants_wrapped_key_is_gone_from_every_database_file_at_once(tiny_manager: SessionManager) -> None:
     tenant = tiny_manager.create_tenant("acme")
-    wrapped = tiny_manager.metadata.get_tenant(tenant_id=tenant.id).wrapped_data_key  # type: ignore[union-attr]
+    wrapped = tiny_manager.internals.metadata.get_tenant(tenant_id=tenant.id).wrapped_data_key  # type: ignore[union-attr]
     assert wrapped
     tiny_manager.delete_tenant(tenant)
     files = b"".join(path.read_bytes() for path in tiny_manager.settings.home.glob("chatkv.db*"))
@@ -278,10 +278,10 @@ def test_rotation_under_a_master_key_that_wrapped_nothing_is_refused_with_a_type
         manager.create_tenant("acme")
     other = base64.b64encode(b"\x07" * 32).decode()
     with SessionManager(make_settings(home, master_key=other), engine=tiny_engine) as manager:
-        before = {t.id: t.wrapped_data_key for t in manager.metadata.list_tenants()}
+        before = {t.id: t.wrapped_data_key for t in manager.internals.metadata.list_tenants()}
         with pytest.raises(KeyMismatch):
             manager.rotate_master_key(base64.b64encode(b"\x09" * 32).decode())
-        assert {t.id: t.wrapped_data_key for t in manager.metadata.list_tenants()} == before
+        assert {t.id: t.wrapped_data_key for t in manager.internals.metadata.list_tenants()} == before
 
 
 def test_a_system_prompt_that_leaves_no_room_for_a_turn_is_refused_at_open(tiny_manager: SessionManager) -> None:
@@ -308,8 +308,8 @@ def test_deleting_a_tenant_during_its_turn_fails_that_turn_with_session_not_foun
     tiny_manager.delete_tenant(tenant)
     with pytest.raises(SessionNotFound):
         list(stream)
-    assert len(tiny_manager.tiers.pool) == 0
-    assert tiny_manager.tiers.usage().sessions[Tier.DEVICE] == 0
+    assert len(tiny_manager.internals.tiers.pool) == 0
+    assert tiny_manager.internals.tiers.usage().sessions[Tier.DEVICE] == 0
 
 
 def test_deleting_a_session_while_another_sessions_turn_evicts_it_is_clean(tmp_path, tiny_engine) -> None:  # type: ignore[no-untyped-def]
@@ -325,7 +325,7 @@ def test_deleting_a_session_while_another_sessions_turn_evicts_it_is_clean(tmp_p
         x, y = manager.open_session(tenant), manager.open_session(tenant)
         manager.chat(tenant, x, "hello there", max_new_tokens=4)
         manager.evict_session(tenant, x, "host")
-        forget = manager.tiers.forget
+        forget = manager.internals.tiers.forget
         replies = []
 
         def forget_with_a_turn_in_between(key):  # type: ignore[no-untyped-def]
@@ -333,10 +333,10 @@ def test_deleting_a_session_while_another_sessions_turn_evicts_it_is_clean(tmp_p
                 replies.append(manager.chat(tenant, y, "a message on another session " * 20, max_new_tokens=8))
             forget(key)
 
-        manager.tiers.forget = forget_with_a_turn_in_between  # type: ignore[method-assign]
+        manager.internals.tiers.forget = forget_with_a_turn_in_between  # type: ignore[method-assign]
         manager.delete_session(tenant, x)
         assert replies and len(manager.history(tenant, y)) == 2
-        assert x not in [b.session_id for b in manager.metadata.list_blobs()]
+        assert x not in [b.session_id for b in manager.internals.metadata.list_blobs()]
         with pytest.raises(SessionNotFound):
             manager.history(tenant, x)
 
@@ -359,22 +359,22 @@ def test_a_session_deleted_while_its_turn_is_being_recorded_is_serialised_with_i
             threads.append(threading.Thread(target=lambda: tiny_manager.delete_session(tenant, sid)))
             threads[0].start()
 
-    event.listen(tiny_manager._db, "after_cursor_execute", delete_in_between)
+    event.listen(tiny_manager.internals.database, "after_cursor_execute", delete_in_between)
     try:
         reply = tiny_manager.chat(tenant, sid, "second", max_new_tokens=3)
     finally:
-        event.remove(tiny_manager._db, "after_cursor_execute", delete_in_between)
+        event.remove(tiny_manager.internals.database, "after_cursor_execute", delete_in_between)
     threads[0].join(timeout=30)
     assert reply.stats.restored_from == "device"
     with pytest.raises(SessionNotFound):
         tiny_manager.history(tenant, sid)
-    assert tiny_manager.tiers.placement(tiny_manager.tiers_key(tenant, sid)) is None
+    assert tiny_manager.internals.tiers.placement(tiny_manager.internals.tiers_key(tenant, sid)) is None
 
 
 def test_a_turn_whose_transcript_left_the_bounded_cache_is_still_recorded_in_memory(
     tiny_manager: SessionManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tiny_manager._parts.transcripts, "capacity", 1)
+    monkeypatch.setattr(tiny_manager.internals.transcripts, "capacity", 1)
     tenant = tiny_manager.create_tenant("acme")
     sid, other = tiny_manager.open_session(tenant), tiny_manager.open_session(tenant)
     tiny_manager.chat(tenant, sid, "My name is Bob.", max_new_tokens=4)
@@ -533,7 +533,7 @@ def test_an_edited_token_ids_row_neither_breaks_the_session_nor_reuses_a_stale_c
         sid = manager.open_session(tenant)
         manager.chat(tenant, sid, "hello", max_new_tokens=6)
     with SessionManager(make_settings(home), engine=tiny_engine) as manager:
-        with manager.metadata.database.begin() as connection:
+        with manager.internals.metadata.database.begin() as connection:
             connection.execute(
                 update(MessageRow)
                 .where(MessageRow.session_id == sid, MessageRow.role == "assistant")

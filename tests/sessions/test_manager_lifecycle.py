@@ -36,7 +36,7 @@ def test_open_close_cycles_that_load_their_engine_leave_no_extra_thread_and_no_e
             one_turn(manager)
             started = {t.name for t in set(threading.enumerate()) - before}
             assert "chatkv-engine-loop" in started  # the loop ran this cycle's turn
-            engines.append(weakref.ref(manager.engine))
+            engines.append(weakref.ref(manager.internals.engine))
         del manager
         gc.collect()
         assert set(threading.enumerate()) - before == set()
@@ -47,7 +47,7 @@ def test_a_closed_engine_refuses_requests_and_its_loop_thread_is_gone(tiny_model
     before = set(threading.enumerate())
     manager = SessionManager(make_settings(tmp_path / "home", model=str(tiny_model_dir)))
     one_turn(manager)
-    engine = manager.engine
+    engine = manager.internals.engine
     manager.close()
     assert set(threading.enumerate()) - before == set()
     with pytest.raises(EngineStopped, match="the model's engine was closed by the manager that loaded it"):
@@ -57,7 +57,7 @@ def test_a_closed_engine_refuses_requests_and_its_loop_thread_is_gone(tiny_model
 
 def test_a_manager_sharing_an_engine_its_owner_closed_gets_a_typed_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     owner = SessionManager(make_settings(tmp_path / "owner", model=str(tiny_model_dir)))
-    with open_manager(tmp_path / "sharer", owner.engine) as sharer:
+    with open_manager(tmp_path / "sharer", owner.internals.engine) as sharer:
         tenant = sharer.create_tenant("acme")
         sid = sharer.open_session(tenant)
         owner.close()

@@ -45,7 +45,7 @@ class Family:
 
     @torch.inference_mode()
     def expected(self, manager: SessionManager, past: list[PastTurn], message: str) -> list[int]:
-        ids = manager.template.conversation(SYSTEM, past, message).token_ids
+        ids = manager.internals.template.conversation(SYSTEM, past, message).token_ids
         inputs = torch.tensor([list(ids)])
         out = self.reference.generate(
             inputs,
@@ -124,11 +124,11 @@ def test_turns_window_policy_replies_equal_generate_over_the_kept_window(family:
     with SessionManager(make_settings(tmp_path / "home", context_budget_tokens=100), engine=engine) as manager:
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
-        key = manager.tiers_key(tenant, sid)
+        key = manager.internals.tiers_key(tenant, sid)
         demoted = 0
         for message in [*MESSAGES, "Thanks, and what happened next?"]:
             reply = chat(manager, tenant, sid, message)
-            cache = manager.tiers.peek(key)
+            cache = manager.internals.tiers.peek(key)
             assert cache is not None
             demoted += bool(reply.stats.demoted_tokens)
             # What the window holds (demoted turns are gone from it), less the reply's fed ids.
@@ -148,7 +148,7 @@ def test_sliding_layers_hold_only_their_window(family: Family, manager: SessionM
     sid = manager.open_session(tenant, system_prompt=SYSTEM)
     for message in MESSAGES:
         chat(manager, tenant, sid, message)
-    cache = manager.tiers.peek(manager.tiers_key(tenant, sid))
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     windows = family.engine.layout.windows
     held = [cache.own_keys[index].shape[-2] for index in range(len(windows))]

@@ -63,10 +63,10 @@ def sizes(tmp_path_factory: pytest.TempPathFactory, tiny_engine: Engine) -> Size
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         manager.chat(tenant, sid, "note 0", max_new_tokens=TOKENS)
         key = key_of(tenant.id, sid)
-        base, session = manager.tiers.pool.nbytes(), manager.tiers.entry_bytes(key)
+        base, session = manager.internals.tiers.pool.nbytes(), manager.internals.tiers.entry_bytes(key)
         manager.evict_session(tenant, sid, "host")
-        blob = manager.tiers.entry_bytes(key)
-        base_blob = manager.disk_store.used_bytes()
+        blob = manager.internals.tiers.entry_bytes(key)
+        base_blob = manager.internals.disk_store.used_bytes()
     return Sizes(base, session, blob, base_blob)
 
 
@@ -81,7 +81,7 @@ def placements(manager: SessionManager, tenant_id: str, sids: Sequence[str]) -> 
 
 
 def assert_within_budgets(manager: SessionManager) -> None:
-    usage = manager.tiers.usage()
+    usage = manager.internals.tiers.usage()
     for tier in LOCAL_TIERS:
         assert usage.bytes[tier] <= usage.budgets[tier], f"{tier} holds {usage.bytes[tier]} > {usage.budgets[tier]}"
 
@@ -114,7 +114,7 @@ def test_budgets_hold_after_every_turn_and_evict_in_lru_order(
         ]
         for n, sid in enumerate(sids):
             reply = manager.chat(tenant, sid, f"note {n}", max_new_tokens=TOKENS)
-            assert manager.tiers.entry_bytes(key_of(tenant.id, sid)) in (sizes.session, sizes.blob)
+            assert manager.internals.tiers.entry_bytes(key_of(tenant.id, sid)) in (sizes.session, sizes.blob)
             assert placements(manager, tenant.id, sids) == expected[n], f"after the turn of s{n}"
             assert_within_budgets(manager)
         assert reply.stats.restored_from == "new"
@@ -152,10 +152,10 @@ def test_disk_budget_holds_with_write_back(tmp_path: Path, tiny_engine: Engine, 
         sids = [manager.open_session(tenant, system_prompt=SYSTEM) for _ in range(4)]
         for n, sid in enumerate(sids):
             manager.chat(tenant, sid, f"note {n}", max_new_tokens=TOKENS)
-            manager.tiers.flush()
-            assert manager.disk_store.used_bytes() <= budget
+            manager.internals.tiers.flush()
+            assert manager.internals.disk_store.used_bytes() <= budget
         # The two most recent sessions keep their disk copies.
-        rows = {r.name for r in manager.metadata.list_blobs() if r.session_id}
+        rows = {r.name for r in manager.internals.metadata.list_blobs() if r.session_id}
         assert rows == set(sids[2:])
 
 
@@ -192,12 +192,12 @@ def test_a_session_with_a_turn_in_flight_is_never_moved(tmp_path: Path, tiny_eng
                 manager.evict_session(tenant, busy, "disk")
             with pytest.raises(SessionBusy):
                 manager.chat(tenant, busy, "again", max_new_tokens=TOKENS)
-            with pytest.raises(LeaseHeld), manager.tiers.lease(key_of(tenant.id, busy)):
+            with pytest.raises(LeaseHeld), manager.internals.tiers.lease(key_of(tenant.id, busy)):
                 pass
             with pytest.raises(LeaseHeld):
-                manager.tiers.evict(key_of(tenant.id, busy), None)
-            manager.tiers.enforce_budgets()
-            manager.tiers.persist_all()
+                manager.internals.tiers.evict(key_of(tenant.id, busy), None)
+            manager.internals.tiers.enforce_budgets()
+            manager.internals.tiers.persist_all()
             assert placements(manager, tenant.id, [busy]) == ["device"]
         finally:
             resume.set()
@@ -226,7 +226,7 @@ def test_a_tenant_over_its_quota_evicts_its_own_sessions_never_another_tenants(
             manager.chat(tenant, sid, f"note {n}", max_new_tokens=TOKENS)
         assert placements(manager, other.id, [theirs]) == ["device"]
         assert placements(manager, tenant.id, ours) == ["host", "host", "device"]
-        assert manager.tiers.usage().device_bytes_by_tenant == {
+        assert manager.internals.tiers.usage().device_bytes_by_tenant == {
             tenant.id: sizes.base + sizes.session,
             other.id: sizes.base + sizes.session,
         }
@@ -247,12 +247,12 @@ def test_restored_cache_tensors_are_bit_identical(tiny_manager: SessionManager, 
     manager.chat(tenant, sid, "note 0", max_new_tokens=TOKENS)
     manager.chat(tenant, sid, "note 1", max_new_tokens=TOKENS)
     key = key_of(tenant.id, sid)
-    offloaded = manager.tiers.peek(key)
+    offloaded = manager.internals.tiers.peek(key)
     assert offloaded is not None
     assert manager.evict_session(tenant, sid, tier) == tier
-    stored = manager.tiers.stored_cache(key)
+    stored = manager.internals.tiers.stored_cache(key)
     assert stored is not None
-    with manager.tiers.lease(key) as lease:
+    with manager.internals.tiers.lease(key) as lease:
         restored = lease.restore()
     assert restored.source is Tier(tier) and restored.cache is not None
     for cache in (stored, restored.cache):
@@ -325,12 +325,12 @@ def test_tampered_truncated_and_swapped_blobs_are_rebuilt_with_correct_replies(
     for name in names[1:]:
         manager.evict_session(acme, sids[name], "disk")
     manager.evict_session(beta, foreign, "disk")
-    manager.tiers.flush()  # the control stays on the device; its write-back copy is on disk
-    path = {name: manager.disk_store.path_for(key_of(acme.id, sid)) for name, sid in sids.items()}
+    manager.internals.tiers.flush()  # the control stays on the device; its write-back copy is on disk
+    path = {name: manager.internals.disk_store.path_for(key_of(acme.id, sid)) for name, sid in sids.items()}
     flip_a_byte(path["flip"])
     truncate(path["cut"])
     shutil.copyfile(path["control"], path["swap"])  # another session's blob, same tenant
-    shutil.copyfile(manager.disk_store.path_for(key_of(beta.id, foreign)), path["cross"])  # another tenant's
+    shutil.copyfile(manager.internals.disk_store.path_for(key_of(beta.id, foreign)), path["cross"])  # another tenant's
 
     control = manager.chat(acme, sids["control"], second, max_new_tokens=16)
     assert control.stats.restored_from == "device"
@@ -345,9 +345,9 @@ def test_tampered_truncated_and_swapped_blobs_are_rebuilt_with_correct_replies(
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert any(sids[name] in r.getMessage() for r in warnings), name
         # The bad blob is gone; the write-back stored the rebuilt cache in its place.
-        manager.tiers.flush()
+        manager.internals.tiers.flush()
         key = key_of(acme.id, sids[name])
-        rebuilt = manager.sealer.open_session(key, path[name].read_bytes())
+        rebuilt = manager.internals.sealer.open_session(key, path[name].read_bytes())
         assert rebuilt.next_original_index == manager.session_info(acme, sids[name]).token_count
 
 
@@ -391,7 +391,7 @@ def test_a_truncated_blob_found_at_start_up_is_rebuilt_with_a_warning(
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         manager.chat(tenant, sid, "note 0", max_new_tokens=TOKENS)
-        path = manager.disk_store.path_for(key_of(tenant.id, sid))
+        path = manager.internals.disk_store.path_for(key_of(tenant.id, sid))
     truncate(path)
     with caplog.at_level(logging.WARNING), open_manager(home, tiny_engine) as manager:
         expected = reference_reply(manager, tenant.id, sid, "note 1", TOKENS)
@@ -432,7 +432,7 @@ def test_caches_of_another_model_are_invalidated_and_rebuilt(
     with open_manager(home, second_tiny_engine) as manager:
         assert manager.session_info(tenant.id, sid).tier is None
         assert list((home / "blobs").rglob("*.ckv")) == []
-        assert manager.metadata.list_blobs() == []
+        assert manager.internals.metadata.list_blobs() == []
         expected = reference_reply(manager, tenant.id, sid, "note 2", TOKENS)
         reply = manager.chat(tenant.id, sid, "note 2", max_new_tokens=TOKENS)
         assert reply.stats.restored_from == "rebuilt"
@@ -474,10 +474,10 @@ def test_rotation_rewraps_tenant_keys_without_touching_blobs(
     home, tenant_id, sid = file_keyed_home
     blobs, old_key = blob_bytes(home), (home / "master.key").read_text()
     with open_manager(home, tiny_engine, master_key=None) as manager:
-        old_wrapped = manager.metadata.get_tenant(tenant_id=tenant_id).wrapped_data_key  # type: ignore[union-attr]
+        old_wrapped = manager.internals.metadata.get_tenant(tenant_id=tenant_id).wrapped_data_key  # type: ignore[union-attr]
         new_id = manager.rotate_master_key()
-        record = manager.metadata.get_tenant(tenant_id=tenant_id)
-        assert record is not None and record.master_key_id == new_id == manager.keys.master.id
+        record = manager.internals.metadata.get_tenant(tenant_id=tenant_id)
+        assert record is not None and record.master_key_id == new_id == manager.internals.keys.master.id
         assert record.wrapped_data_key != old_wrapped
         assert blob_bytes(home) == blobs
         # The running manager keeps working under the new key.
@@ -488,7 +488,7 @@ def test_rotation_rewraps_tenant_keys_without_touching_blobs(
     assert stat.S_IMODE((home / "master.key").stat().st_mode) == 0o600
     assert not (home / "master.key.next").exists()
     with open_manager(home, tiny_engine, master_key=None) as manager:
-        assert manager.keys.master.id == new_id
+        assert manager.internals.keys.master.id == new_id
         assert manager.chat(tenant_id, sid, "note 3", max_new_tokens=TOKENS).stats.restored_from == "disk"
 
 
@@ -503,14 +503,14 @@ def test_a_crash_during_rotation_leaves_a_readable_state(
     home, tenant_id, sid = file_keyed_home
     blobs = blob_bytes(home)
     manager = open_manager(home, tiny_engine, master_key=None)
-    old_id = manager.keys.master.id
+    old_id = manager.internals.keys.master.id
     if moment == "before-commit":
 
         def crash_commit(**_: object) -> None:
             assert (home / "master.key.next").exists()
             raise Crash
 
-        monkeypatch.setattr(manager.metadata, "set_tenant_keys", crash_commit)
+        monkeypatch.setattr(manager.internals.metadata, "set_tenant_keys", crash_commit)
     else:
         real_replace = Path.replace
 
@@ -523,12 +523,12 @@ def test_a_crash_during_rotation_leaves_a_readable_state(
     with pytest.raises(Crash):
         manager.rotate_master_key()
     monkeypatch.undo()
-    manager.tiers.close()  # the process dies: nothing is persisted, the database is left as is
-    manager._db.dispose()
+    manager.internals.tiers.close()  # the process dies: nothing is persisted, the database is left as is
+    manager.internals.database.dispose()
     assert (home / "master.key.next").exists()
     with open_manager(home, tiny_engine, master_key=None) as restarted:
         assert not (home / "master.key.next").exists()
-        assert (restarted.keys.master.id == old_id) == (moment == "before-commit")
+        assert (restarted.internals.keys.master.id == old_id) == (moment == "before-commit")
         assert blob_bytes(home) == blobs
         reply = restarted.chat(tenant_id, sid, "note 2", max_new_tokens=TOKENS)
         assert reply.stats.restored_from == "disk"
@@ -543,24 +543,24 @@ def test_deleting_a_tenant_destroys_its_key_first_then_rows_and_files(tiny_manag
         manager.chat(tenant, session, "note 0", max_new_tokens=TOKENS)
         manager.evict_session(tenant, session, "disk")
     key = key_of(doomed.id, sid)
-    copy = manager.disk_store.path_for(key).read_bytes()  # a copy that survives somewhere
-    assert manager.sealer.open_session(key, copy).own_tokens > 0
+    copy = manager.internals.disk_store.path_for(key).read_bytes()  # a copy that survives somewhere
+    assert manager.internals.sealer.open_session(key, copy).own_tokens > 0
 
     order: list[str] = []
-    forget_tenant = manager.tiers.forget_tenant
+    forget_tenant = manager.internals.tiers.forget_tenant
 
     def spy(tenant_id: str) -> None:
-        record = manager.metadata.get_tenant(tenant_id=tenant_id)
+        record = manager.internals.metadata.get_tenant(tenant_id=tenant_id)
         order.append("key gone" if record is None or record.wrapped_data_key is None else "key present")
         forget_tenant(tenant_id)  # type: ignore[arg-type]
 
-    manager.tiers.forget_tenant = spy  # type: ignore[method-assign]
+    manager.internals.tiers.forget_tenant = spy  # type: ignore[method-assign]
     manager.delete_tenant(doomed)
     assert order == ["key gone", "key gone"]  # before the rows go, and once more after (a racing turn)
     with pytest.raises(BlobRejected):
-        manager.sealer.open_session(key, copy)
-    assert manager.metadata.get_tenant(tenant_id=doomed.id) is None
-    assert {r.tenant_id for r in manager.metadata.list_blobs()} == {kept.id}
+        manager.internals.sealer.open_session(key, copy)
+    assert manager.internals.metadata.get_tenant(tenant_id=doomed.id) is None
+    assert {r.tenant_id for r in manager.internals.metadata.list_blobs()} == {kept.id}
     assert not (manager.settings.blob_dir / doomed.id).exists()
     assert manager.chat(kept, survivor, "note 1", max_new_tokens=TOKENS).stats.restored_from == "disk"
 
@@ -593,11 +593,11 @@ def test_a_disk_copy_older_than_the_transcript_is_not_used(tmp_path: Path, tiny_
     tenant = manager.create_tenant("acme")
     sid = manager.open_session(tenant, system_prompt=SYSTEM)
     manager.chat(tenant, sid, "note 0", max_new_tokens=TOKENS)
-    manager.tiers.flush()
-    manager.tiers._writer.queue = lambda key: None  # type: ignore[method-assign]
+    manager.internals.tiers.flush()
+    manager.internals.tiers._writer.queue = lambda key: None  # type: ignore[method-assign]
     manager.chat(tenant, sid, "note 1", max_new_tokens=TOKENS)
-    manager.tiers.close()  # the process dies: no persist at shutdown
-    manager._db.dispose()
+    manager.internals.tiers.close()  # the process dies: no persist at shutdown
+    manager.internals.database.dispose()
     with open_manager(home, tiny_engine, persist="write_back") as restarted:
         assert restarted.session_info(tenant.id, sid).tier == "disk"
         expected = reference_reply(restarted, tenant.id, sid, "note 2", TOKENS)
@@ -617,11 +617,11 @@ def test_deleting_a_session_removes_its_blobs_even_during_a_turn(tiny_manager: S
     manager.delete_session(tenant, sid)
     with pytest.raises(SessionNotFound):
         list(stream)
-    assert manager.tiers.placement(key_of(tenant.id, sid)) is None
-    assert [r.name for r in manager.metadata.list_blobs() if r.session_id] == []
-    assert not manager.disk_store.path_for(key_of(tenant.id, sid)).exists()
-    assert all(manager.tiers.pool.refs(key) == 0 for key, _, _ in manager.tiers.pool.unreferenced())
-    assert manager.tiers.usage().sessions == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+    assert manager.internals.tiers.placement(key_of(tenant.id, sid)) is None
+    assert [r.name for r in manager.internals.metadata.list_blobs() if r.session_id] == []
+    assert not manager.internals.disk_store.path_for(key_of(tenant.id, sid)).exists()
+    assert all(manager.internals.tiers.pool.refs(key) == 0 for key, _, _ in manager.internals.tiers.pool.unreferenced())
+    assert manager.internals.tiers.usage().sessions == {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
 
 
 def test_concurrent_turns_keep_budgets_and_exact_replies(tmp_path: Path, tiny_engine: Engine, sizes: Sizes) -> None:
@@ -649,7 +649,7 @@ def test_concurrent_turns_keep_budgets_and_exact_replies(tmp_path: Path, tiny_en
         for thread in threads:
             thread.join(timeout=120)
         assert errors == []
-        manager.tiers.flush()
+        manager.internals.tiers.flush()
         assert_within_budgets(manager)
         for sid in sids:
             history = manager.history(tenant, sid)
@@ -660,5 +660,5 @@ def test_concurrent_turns_keep_budgets_and_exact_replies(tmp_path: Path, tiny_en
                     PastTurn(history[2 * i].text, history[2 * i + 1].text, history[2 * i + 1].token_ids)
                     for i in range(turn)
                 ]
-                ids = manager.template.conversation(SYSTEM, past, f"note {turn}").token_ids
-                assert history[2 * turn + 1].token_ids == greedy_from_scratch(manager.engine, ids, TOKENS)
+                ids = manager.internals.template.conversation(SYSTEM, past, f"note {turn}").token_ids
+                assert history[2 * turn + 1].token_ids == greedy_from_scratch(manager.internals.engine, ids, TOKENS)

@@ -25,18 +25,18 @@ def test_offloaded_turn_layers_are_stored_quantised_and_the_base_exact(
         sid = manager.open_session(tenant, system_prompt="System prompt " * 10)
         for turn in range(3):
             manager.chat(tenant, sid, f"message {turn} " + "words " * 30, max_new_tokens=8)
-        key = manager.tiers_key(tenant, sid)
-        hot = manager.tiers.peek(key)
+        key = manager.internals.tiers_key(tenant, sid)
+        hot = manager.internals.tiers.peek(key)
         assert hot is not None
         assert manager.evict_session(tenant, sid, "host") == "host"
-        host_bytes = manager.tiers.entry_bytes(key)
+        host_bytes = manager.internals.tiers.entry_bytes(key)
         layers = manager.inspect_session(tenant, sid).layers
         assert layers[0].kind.value == "base" and layers[0].precision == "exact"
         assert any(span.precision == precision for span in layers[1:])
         reply = manager.chat(tenant, sid, "go on", max_new_tokens=4)
         assert reply.stats.restored_from == "host"
         assert reply.stats.reused_tokens == hot.total_tokens  # length accounting includes quantised tokens
-        restored = manager.tiers.peek(key)
+        restored = manager.internals.tiers.peek(key)
         assert restored is not None and restored.base is not None
         assert all(torch.equal(a, b) for a, b in zip(restored.base.keys, hot.base.keys, strict=True))  # type: ignore[union-attr]
         exact_bytes = hot.own_nbytes
@@ -53,9 +53,9 @@ def test_a_sealed_cache_of_many_short_turns_fits_the_payload_bound_of_its_tokens
         sid = manager.open_session(tenant, system_prompt="Be brief.")
         for turn in range(12):  # short turns: the layer table's largest share per token
             manager.chat(tenant, sid, f"hi {turn}", max_new_tokens=1)
-        key = manager.tiers_key(tenant, sid)
-        cache = manager.tiers.peek(key)
+        key = manager.internals.tiers_key(tenant, sid)
+        cache = manager.internals.tiers.peek(key)
         assert cache is not None
-        payload_bytes = ChunkedHeader.parse(manager.sealer.seal_session(key, cache)).payload_bytes
+        payload_bytes = ChunkedHeader.parse(manager.internals.sealer.seal_session(key, cache)).payload_bytes
         per_token_share = max_payload_bytes(cache.total_tokens, tiny_engine.layout) - HEADER_ALLOWANCE_BYTES
         assert payload_bytes <= per_token_share // 2  # a margin of two on top

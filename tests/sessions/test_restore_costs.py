@@ -30,11 +30,11 @@ def test_a_turn_recomputes_when_that_is_cheaper_and_restores_when_not(tmp_path: 
         tenant = manager.create_tenant("acme").id
         sid = manager.open_session(tenant, "You are terse.")
         manager.chat(tenant, sid, "Hello there.", max_new_tokens=8)
-        costs = manager.runner.preparer.costs
+        costs = manager.internals.runner.preparer.costs
         for _ in range(MIN_SAMPLES):  # a slow disk, a fast prefill
             costs.restored("disk", 100, 1.0)
             costs.prefilled(100, 0.01)
-        manager.flush()
+        manager.internals.tiers.flush()
         manager.evict_session(tenant, sid, "disk")
         expected = reference_reply(manager, tenant, sid, "And now?", 8)
         reply = manager.chat(tenant, sid, "And now?", max_new_tokens=8)
@@ -47,10 +47,10 @@ def test_a_turn_recomputes_when_that_is_cheaper_and_restores_when_not(tmp_path: 
             costs.restored("disk", 100, 0.001)
         for _ in range(SAMPLES):  # a whole window of slow prefills replaces the fast ones
             costs.prefilled(100, 5.0)
-        manager.flush()
+        manager.internals.tiers.flush()
         manager.evict_session(tenant, sid, "disk")
         again = manager.chat(tenant, sid, "Once more.", max_new_tokens=8)
         assert (again.stats.restored_from, again.stats.restore_choice) == ("disk", "restore")
-        counted = manager.metrics.render().decode()
+        counted = manager.internals.metrics.render().decode()
         assert 'chatkv_restore_choices_total{choice="recompute"} 1.0' in counted
         assert 'chatkv_restore_choices_total{choice="restore"} 1.0' in counted

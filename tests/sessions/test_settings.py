@@ -40,6 +40,7 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "window_policy": ("attention", "attention"),
     "window_recent_tokens": ("48", 48),
     "window_observation_tokens": ("16", 16),
+    "window_rebuild_chunk_tokens": ("64", 64),
     "pin_first_turn": ("yes", True),
     "share_base": ("0", False),
     "offload_precision": ("int8", "int8"),
@@ -145,6 +146,11 @@ def test_unset_or_empty_variables_leave_the_declared_defaults(monkeypatch: pytes
             "CHATKV_WINDOW_OBSERVATION_TOKENS",
             "0",
             "CHATKV_WINDOW_OBSERVATION_TOKENS: window_observation_tokens must be an integer >= 1, got 0",
+        ),
+        (
+            "CHATKV_WINDOW_REBUILD_CHUNK_TOKENS",
+            "-1",
+            "CHATKV_WINDOW_REBUILD_CHUNK_TOKENS: window_rebuild_chunk_tokens must be an integer >= 0, got -1",
         ),
         (
             "CHATKV_CONTEXT_BUDGET_TOKENS",
@@ -253,6 +259,7 @@ def test_the_window_config_carries_the_window_fields(monkeypatch: pytest.MonkeyP
         window_policy="attention",
         window_recent_tokens=48,
         window_observation_tokens=16,
+        window_rebuild_chunk_tokens=64,
         pin_first_turn=True,
     )
     assert config.budget_tokens(2048) == 1024

@@ -24,7 +24,7 @@ def first_turn(manager: SessionManager, tenant: object, system: str = SYSTEM):  
 
 
 def test_second_session_of_a_tenant_prefills_only_its_first_message(tiny_manager: SessionManager) -> None:
-    base_tokens = len(tiny_manager.template.system_prefix_ids(SYSTEM))
+    base_tokens = len(tiny_manager.internals.template.system_prefix_ids(SYSTEM))
     acme = tiny_manager.create_tenant("acme")
     _, one = first_turn(tiny_manager, acme)
     _, two = first_turn(tiny_manager, acme)
@@ -32,7 +32,7 @@ def test_second_session_of_a_tenant_prefills_only_its_first_message(tiny_manager
     assert two.stats.reused_tokens == two.stats.base_reused_tokens == base_tokens
     assert two.stats.prefill_tokens == one.stats.prefill_tokens - base_tokens
     assert one.token_ids == two.token_ids  # the shared base is the same KV: same greedy reply
-    assert len(tiny_manager.tiers.pool) == 1
+    assert len(tiny_manager.internals.tiers.pool) == 1
 
 
 def test_another_tenant_with_the_same_prompt_gets_no_hit(tiny_manager: SessionManager) -> None:
@@ -41,9 +41,9 @@ def test_another_tenant_with_the_same_prompt_gets_no_hit(tiny_manager: SessionMa
     first_turn(tiny_manager, acme)
     _, theirs = first_turn(tiny_manager, beta)
     assert theirs.stats.reused_tokens == 0 and theirs.stats.base_reused_tokens == 0
-    assert len(tiny_manager.tiers.pool) == 2
-    ids = tiny_manager.template.system_prefix_ids(SYSTEM)
-    fingerprint = tiny_manager.engine.fingerprint
+    assert len(tiny_manager.internals.tiers.pool) == 2
+    ids = tiny_manager.internals.template.system_prefix_ids(SYSTEM)
+    fingerprint = tiny_manager.internals.engine.fingerprint
     assert prefix_key(acme.id, fingerprint, ids) != prefix_key(beta.id, fingerprint, ids)
 
 
@@ -60,30 +60,30 @@ def test_offloaded_sessions_store_a_reference_to_the_base_not_a_copy(tiny_manage
     sessions = [first_turn(tiny_manager, acme)[0] for _ in range(2)]
     for sid in sessions:
         assert tiny_manager.evict_session(acme, sid, "disk") == "disk"
-    disk = tiny_manager.disk_store
+    disk = tiny_manager.internals.disk_store
     names = sorted(key.name for key in disk.keys())
     assert len(names) == 3 and sum(name.startswith("base-") for name in names) == 1  # one base blob for both
     for sid in sessions:
-        cache = tiny_manager.tiers.stored_cache(CacheKey(acme.id, sid))
+        cache = tiny_manager.internals.tiers.stored_cache(CacheKey(acme.id, sid))
         assert cache is not None and cache.base is None and cache.base_tokens > 0
         assert cache.own_keys[0].shape[-2] == cache.own_tokens
     # Restoring re-attaches the one pooled base: bit-identical to the base the sessions started with.
-    pooled = tiny_manager.tiers.pool.get(cache.base_key)  # type: ignore[arg-type]
+    pooled = tiny_manager.internals.tiers.pool.get(cache.base_key)  # type: ignore[arg-type]
     reply = tiny_manager.chat(acme, sessions[0], "thanks", max_new_tokens=4)
     assert reply.stats.restored_from == "disk"
-    restored = tiny_manager.tiers.peek(CacheKey(acme.id, sessions[0]))
+    restored = tiny_manager.internals.tiers.peek(CacheKey(acme.id, sessions[0]))
     assert restored is not None and restored.base is not None
     if pooled is not None:
         assert all(torch.equal(a, b) for a, b in zip(restored.base.keys, pooled.keys, strict=True))
-    assert tiny_manager.tiers.placement(CacheKey(acme.id, sessions[1])) is Tier.DISK
+    assert tiny_manager.internals.tiers.placement(CacheKey(acme.id, sessions[1])) is Tier.DISK
     blob = disk.path_for(CacheKey(acme.id, sessions[1])).read_bytes()
-    assert codec is not None and len(blob) < tiny_manager.engine.layout.bytes_per_token * cache.total_tokens
+    assert codec is not None and len(blob) < tiny_manager.internals.engine.layout.bytes_per_token * cache.total_tokens
 
 
 def test_a_new_system_prompt_is_prefilled_in_the_first_turns_own_forward_pass(
     tiny_manager: SessionManager, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    engine = tiny_manager.engine
+    engine = tiny_manager.internals.engine
     passes: list[int] = []
     forward = engine.runner.forward
 
@@ -96,8 +96,8 @@ def test_a_new_system_prompt_is_prefilled_in_the_first_turns_own_forward_pass(
     _, one = first_turn(tiny_manager, acme)
     prefills = [n for n in passes if n > 1]
     assert prefills == [one.stats.prefill_tokens]  # base and message in one pass, not two
-    ids = tiny_manager.template.system_prefix_ids(SYSTEM)
-    base = tiny_manager.tiers.pool.get(prefix_key(acme.id, engine.fingerprint, ids))
+    ids = tiny_manager.internals.template.system_prefix_ids(SYSTEM)
+    base = tiny_manager.internals.tiers.pool.get(prefix_key(acme.id, engine.fingerprint, ids))
     assert base is not None and base.token_ids == tuple(ids)
     keys, values = engine.compute_prefix(ids)  # the prefix alone, at positions 0..n-1
     for got, want in zip((*base.keys, *base.values), (*keys, *values), strict=True):
@@ -107,7 +107,7 @@ def test_a_new_system_prompt_is_prefilled_in_the_first_turns_own_forward_pass(
 def test_a_tenant_deleted_during_its_first_turn_leaves_no_base_in_the_pool(
     tiny_manager: SessionManager, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    engine = tiny_manager.engine
+    engine = tiny_manager.internals.engine
     acme = tiny_manager.create_tenant("acme")
     sid = tiny_manager.open_session(acme, system_prompt=SYSTEM)
     forward = engine.runner.forward
@@ -121,4 +121,4 @@ def test_a_tenant_deleted_during_its_first_turn_leaves_no_base_in_the_pool(
     monkeypatch.setattr(engine.runner, "forward", forward_then_delete)
     with pytest.raises((SessionNotFound, TenantNotFound)):
         tiny_manager.chat(acme, sid, "Where is my order?", max_new_tokens=4)
-    assert len(tiny_manager.tiers.pool) == 0 and tiny_manager.tiers.pool.nbytes() == 0
+    assert len(tiny_manager.internals.tiers.pool) == 0 and tiny_manager.internals.tiers.pool.nbytes() == 0

@@ -47,8 +47,8 @@ def shared_settings(tmp_path: Path, url: str, prefix: str) -> dict[str, object]:
 
 
 def redis_of(manager: SessionManager) -> RedisBlobStore[CacheKey]:
-    assert manager.shared_store is not None
-    return manager.shared_store.redis
+    assert manager.internals.shared_store is not None
+    return manager.internals.shared_store.redis
 
 
 def chunk_names(client: redis.Redis, store: RedisBlobStore[CacheKey], key: CacheKey) -> list[str]:
@@ -62,11 +62,11 @@ def publish(
 ) -> Published:
     """Replica `a` holds two sessions and stops, which publishes them to Redis."""
     with open_manager(tmp_path / "a", engine, replica_id="a", **shared) as first:
-        first.sealer.chunk_bytes = chunk_bytes
+        first.internals.sealer.chunk_bytes = chunk_bytes
         tenant = first.create_tenant("acme").id
         session, other = first.open_session(tenant, SYSTEM), first.open_session(tenant, SYSTEM)
         first.chat(tenant, session, MESSAGES[0], max_new_tokens=TOKENS)
-        first.flush()  # its write-back published the first turn's cache
+        first.internals.tiers.flush()  # its write-back published the first turn's cache
         older = [client.get(name) or b"" for name in chunk_names(client, redis_of(first), key_of(tenant, session))]
         for message in MESSAGES[1:]:
             first.chat(tenant, session, message, max_new_tokens=TOKENS)
@@ -76,7 +76,7 @@ def publish(
 
 
 def redis_failures(manager: SessionManager) -> float:
-    value = manager.metrics.registry.get_sample_value("chatkv_integrity_failures_total", {"tier": "redis"})
+    value = manager.internals.metrics.registry.get_sample_value("chatkv_integrity_failures_total", {"tier": "redis"})
     return value or 0.0
 
 
@@ -199,7 +199,7 @@ def test_a_blob_sealed_whole_before_chunking_still_restores_from_redis(
     published = publish(tmp_path, tiny_engine, shared, client)
     with open_manager(tmp_path / "b", tiny_engine, replica_id="b", **shared) as second:
         store, key = redis_of(second), key_of(published.tenant, published.session)
-        data_key = second.keys.data_key(published.tenant)
+        data_key = second.internals.keys.data_key(published.tenant)
         aad = blob_aad(published.tenant, published.session, tiny_engine.fingerprint, FORMAT_VERSION)
         blob = store.get(key)
         payload = open_chunked(data_key, *split_frame(blob), [aad], max_payload_bytes=len(blob))

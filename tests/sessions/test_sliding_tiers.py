@@ -53,13 +53,13 @@ def test_a_redis_restore_on_another_replica_is_exact_and_moves_only_the_windows(
     }
     with open_manager(tmp_path / "a", gemma3_engine, replica_id="a", **shared) as first:
         tenant, sid = converse(first)
-        cache = first.tiers.peek(key_of(tenant, sid))
+        cache = first.internals.tiers.peek(key_of(tenant, sid))
         assert cache is not None
         assert_windows_only(gemma3_engine, cache)
         own_bytes = cache.own_nbytes
     with open_manager(tmp_path / "b", gemma3_engine, replica_id="b", **shared) as second:
-        assert second.shared_store is not None
-        stored = second.shared_store.nbytes(key_of(tenant, sid))
+        assert second.internals.shared_store is not None
+        stored = second.internals.shared_store.nbytes(key_of(tenant, sid))
         # Sealed bytes: the windows and the full layer's tokens, plus ids, header and tags; far
         # less than every layer holding every token (6 x the full layer's bytes).
         assert own_bytes < stored < own_bytes + 8192
@@ -75,11 +75,11 @@ def test_lossy_offload_keeps_the_sliding_windows_exact(tmp_path: Path, gemma3_en
         tmp_path / "home", gemma3_engine, offload_precision=precision, quant_residual_tokens=0
     ) as manager:
         tenant, sid = converse(manager)
-        before = manager.tiers.peek(key_of(tenant, sid))
+        before = manager.internals.tiers.peek(key_of(tenant, sid))
         assert before is not None
         assert manager.evict_session(tenant, sid, "host") == "host"
         manager.restore_session(tenant, sid)
-        after = manager.tiers.peek(key_of(tenant, sid))
+        after = manager.internals.tiers.peek(key_of(tenant, sid))
         assert after is not None
         for index, window in enumerate(gemma3_engine.layout.windows):
             same = torch.equal(before.own_keys[index], after.own_keys[index])
@@ -96,7 +96,7 @@ def test_the_lossy_policies_evict_from_full_layers_only(tmp_path: Path, gemma3_e
         tenant, sid = converse(manager)
         reply = manager.chat(tenant, sid, NEXT, max_new_tokens=TOKENS, ignore_eos=True)
         assert reply.stats.demoted_tokens > 0
-        cache = manager.tiers.peek(key_of(tenant, sid))
+        cache = manager.internals.tiers.peek(key_of(tenant, sid))
         assert cache is not None and cache.evicted_tokens > 0
         assert_windows_only(gemma3_engine, cache)  # full layer: the table's held tokens; windows whole
         assert cache.total_tokens <= 120
@@ -110,22 +110,24 @@ def test_a_blob_written_before_per_layer_attention_kinds_is_rebuilt_exactly(
     with open_manager(tmp_path / "home", gemma3_engine) as manager:
         tenant, sid = converse(manager)
         key = key_of(tenant, sid)
-        cache = manager.tiers.peek(key)
+        cache = manager.internals.tiers.peek(key)
         assert cache is not None
         tensors, header = session_cache_to_tensors(cache)
         header.update(format_version=2, model_fingerprint=gemma3_engine.fingerprint)
         del header["windows"]
-        data_key = manager.keys.data_key(key.tenant_id)
+        data_key = manager.internals.keys.data_key(key.tenant_id)
         old = seal(
             data_key, codec.encode(tensors, header), blob_aad(key.tenant_id, key.name, gemma3_engine.fingerprint, 2)
         )
-        disk = manager.disk_store
+        disk = manager.internals.disk_store
     disk.put(key, old)  # over the blob the closing manager wrote: as left by the version before
     with open_manager(tmp_path / "home", gemma3_engine) as manager:
         expected = reference_reply(manager, tenant, sid, NEXT, TOKENS)
         reply = manager.chat(tenant, sid, NEXT, max_new_tokens=TOKENS)
         assert reply.stats.restored_from == "rebuilt" and reply.token_ids == expected
-        rejected = manager.metrics.registry.get_sample_value("chatkv_integrity_failures_total", {"tier": "disk"})
+        rejected = manager.internals.metrics.registry.get_sample_value(
+            "chatkv_integrity_failures_total", {"tier": "disk"}
+        )
         assert rejected == 1
 
 
@@ -135,7 +137,7 @@ def test_fork_at_a_turn_whose_windows_the_parent_no_longer_holds_rebuilds_exactl
 ) -> None:
     with open_manager(tmp_path / "home", gemma3_engine) as manager:
         tenant, sid = converse(manager)
-        parent = manager.tiers.peek(key_of(tenant, sid))
+        parent = manager.internals.tiers.peek(key_of(tenant, sid))
         assert parent is not None and parent.next_position - window_tokens > parent.layers[0].original_start
         fork = manager.fork(tenant, sid, at_turn=1)
         expected = reference_reply(manager, tenant, fork, NEXT, TOKENS)
@@ -149,7 +151,7 @@ def test_regenerating_a_short_last_turn_forks_warm_from_the_window_checkpoint(
     with open_manager(tmp_path / "home", gemma3_engine) as manager:
         tenant, sid = converse(manager)
         manager.chat(tenant, sid, "Hi", max_new_tokens=3, ignore_eos=True)  # a turn shorter than the window
-        parent = manager.tiers.peek(key_of(tenant, sid))
+        parent = manager.internals.tiers.peek(key_of(tenant, sid))
         assert parent is not None and parent.layers[-1].token_count <= WINDOW - 1
         fork = manager.fork(tenant, sid, at_turn=len(MESSAGES))  # regenerate the reply to "Hi"
         expected = reference_reply(manager, tenant, fork, "Hi", TOKENS)

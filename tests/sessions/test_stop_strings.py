@@ -111,16 +111,16 @@ def test_a_stop_string_ends_the_turn_early_and_the_turn_stores_the_reply_as_retu
     # The same seeded samples, ended early: a few tokens past the stop string at most, not 40.
     n = len(reply.token_ids)
     assert reply.token_ids == free.token_ids[:n] and n < len(free.token_ids)
-    generated = manager.engine.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
+    generated = manager.internals.engine.tokenizer.decode(reply.token_ids, skip_special_tokens=False)
     assert reply.generated_text == generated and generated.startswith(reply.text + stop)
     # Stored as returned, with the ids a posted history of that text has.
     [user, assistant] = manager.history(tenant, sid)
-    returned_ids = (*manager.engine.tokenizer.encode(reply.text, add_special_tokens=False), STOP_ID)
+    returned_ids = (*manager.internals.engine.tokenizer.encode(reply.text, add_special_tokens=False), STOP_ID)
     assert (user.text, assistant.text, assistant.token_ids) == ("Hello", reply.text, returned_ids)
     assert reply.stored_text == reply.text
     # The session is found by the history its client saw: the reply as returned.
-    assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", reply.text)]) == [sid]
-    assert manager.find_sessions_by_history(tenant, "Be terse.", [("Hello", generated)]) == []
+    assert manager.internals.registry.find_by_history(tenant.id, "Be terse.", [("Hello", reply.text)]) == [sid]
+    assert manager.internals.registry.find_by_history(tenant.id, "Be terse.", [("Hello", generated)]) == []
 
 
 @pytest.mark.parametrize(("inside_a_token", "restored_from"), [(False, "device"), (True, "rebuilt")])
@@ -129,7 +129,7 @@ def test_after_a_cut_the_session_holds_what_its_client_saw_and_the_next_turn_reu
 ) -> None:
     manager = tiny_manager
     tenant = manager.create_tenant("acme")
-    tokenizer = manager.engine.tokenizer
+    tokenizer = manager.internals.engine.tokenizer
     # Two sessions alike up to their second turn, which reuses the cache of the first: one
     # replies freely, the other is cut by a stop string at the reply's 6th token (or one
     # character into it), so the same seeded samples are cut.
@@ -163,7 +163,7 @@ def test_after_a_cut_the_session_holds_what_its_client_saw_and_the_next_turn_reu
     assert follow.stats.restored_from == restored_from
     history = manager.history(tenant, sid)
     past = [PastTurn(u.text, a.text, a.token_ids) for u, a in zip(history[:4:2], history[1:4:2], strict=True)]
-    conversation = manager.template.conversation("Be terse.", past, "Go on")
+    conversation = manager.internals.template.conversation("Be terse.", past, "Go on")
     assert history[4].token_ids == conversation.token_ids[info.token_count :]
     assert follow.stats.prefill_tokens + follow.stats.reused_tokens == len(conversation.token_ids)
     if not inside_a_token:
@@ -213,9 +213,11 @@ def test_after_a_stop_string_the_next_turn_continues_an_exact_cache(real_manager
     assert reply.stats.restored_from == "device"
     [_, stored, _, _] = manager.history(tenant, sid)
     past = [PastTurn(first, cut.text, stored.token_ids)]
-    conversation = manager.template.conversation(system, past, second)
-    assert list(reply.token_ids) == greedy_from_scratch(manager.engine, list(conversation.token_ids), 20)
-    assert manager.find_sessions_by_history(tenant, system, [(first, cut.text), (second, reply.text)]) == [sid]
+    conversation = manager.internals.template.conversation(system, past, second)
+    assert list(reply.token_ids) == greedy_from_scratch(manager.internals.engine, list(conversation.token_ids), 20)
+    assert manager.internals.registry.find_by_history(tenant.id, system, [(first, cut.text), (second, reply.text)]) == [
+        sid
+    ]
 
 
 SYSTEM = "You are a helpful assistant."
@@ -237,7 +239,7 @@ def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_cl
 ) -> None:
     manager = real_manager
     tenant = manager.create_tenant("acme")
-    tokenizer = manager.engine.tokenizer
+    tokenizer = manager.internals.engine.tokenizer
     first = manager.continue_history(tenant, SYSTEM, [], FRUITS, TurnOptions(40, 0.0, 1.0, None, (stop,)))
     cut = [*first][-1]
     assert isinstance(cut, Reply) and first.session_id is not None
@@ -261,7 +263,7 @@ def test_after_a_cut_the_next_turn_replies_as_a_fresh_post_of_the_history_the_cl
     # The cut reply is stored exactly as the fresh post of its history stores it.
     [_, reply, *_], [_, posted_reply, *_] = (manager.history(tenant, s) for s in (first.session_id, fresh_id))
     assert (reply.text, reply.token_ids) == (posted_reply.text, posted_reply.token_ids)
-    assert reply.token_ids == (*cut_ids, manager.engine.stop_token_ids[0])
+    assert reply.token_ids == (*cut_ids, manager.internals.engine.stop_token_ids[0])
     if at_token_boundary:
         # Only the new turn was prefilled: the cache ends where the returned text ends.
         past = [PastTurn(FRUITS, cut.text, reply.token_ids)]

@@ -90,7 +90,7 @@ def template_prompt(engine: Engine, past: list[PastTurn], message: str) -> tuple
 
 def fed_ids(manager: SessionManager, tenant_id: str, session_id: str, reply: Reply) -> tuple[int, ...]:
     """Ids the model saw before the reply's first token: the session cache less the fed reply ids."""
-    cache = manager.tiers.peek(key_of(tenant_id, session_id))
+    cache = manager.internals.tiers.peek(key_of(tenant_id, session_id))
     assert cache is not None
     return cache.token_ids[: cache.total_tokens - len(reply.token_ids) + 1]
 

@@ -113,6 +113,7 @@ def test_a_reply_ended_by_a_stop_token_keeps_every_fed_id_and_records_exact_stat
         base_reused_tokens=0,
         demoted_tokens=0,
         cache_tokens=6,
+        peak_tokens=6,  # the 3 prefilled ids and 3 fed reply ids: the last sampled one is never fed
         queue_s=0.125,
     )
     turn = PastTurn("hi", "abc", generated)

@@ -34,14 +34,14 @@ def test_sessions_resume_warm_and_tenants_are_shredded(db_url: str, tmp_path: Pa
         first = manager.chat(acme, sid, "note 0", max_new_tokens=4)
         manager.chat(beta, other, "note 0", max_new_tokens=4)
     with open_manager(home, tiny_engine, db_url) as manager:
-        assert {r.name for r in manager.metadata.list_blobs(location=None)} >= {sid, other}
+        assert {r.name for r in manager.internals.metadata.list_blobs(location=None)} >= {sid, other}
         history = manager.history(acme.id, sid)
         assert [m.token_ids for m in history][1] == first.token_ids
         assert manager.session_info(acme.id, sid).title == "ünïcödé ✓"
         reply = manager.chat(acme.id, sid, "note 1", max_new_tokens=4)
         assert reply.stats.restored_from == "disk"
         manager.delete_tenant(acme.id)
-        assert {r.tenant_id for r in manager.metadata.list_blobs(location=None)} == {beta.id}
+        assert {r.tenant_id for r in manager.internals.metadata.list_blobs(location=None)} == {beta.id}
         assert [t.name for t in manager.list_tenants()] == ["beta"]
     engine = open_database(db_url)
     try:

@@ -44,8 +44,8 @@ def explicit_session(manager: SessionManager, tenant: str, name: str | None = No
 
 
 def due_at(manager: SessionManager, moment: datetime) -> set[str]:
-    manager.retention.clock = lambda: moment
-    return {expired.session_id for expired in manager.retention.due()}
+    manager.internals.histories.retention.clock = lambda: moment
+    return {expired.session_id for expired in manager.internals.histories.retention.due()}
 
 
 def key_of(tenant_id: str, session_id: str) -> CacheKey:
@@ -82,7 +82,7 @@ def test_implicit_sessions_and_uncontinued_forks_expire_and_a_turn_keeps_one(
 
         assert due_at(manager, utcnow() + timedelta(seconds=TTL_S)) == {touched}  # its TTL slid with the turn
         assert manager.expire_sessions() == 1
-        manager.retention.clock = lambda: utcnow() + timedelta(days=3650)
+        manager.internals.histories.retention.clock = lambda: utcnow() + timedelta(days=3650)
         assert manager.expire_sessions() == 0
         assert {s.id for s in manager.list_sessions(acme)} == {explicit, named, continued}
 
@@ -108,7 +108,7 @@ def test_expiry_removes_the_cache_from_every_tier(db_url: str, tmp_path: Path, t
     with open_manager(tmp_path / "home", tiny_engine, db_url) as manager:
         tenant = manager.create_tenant("acme").id
         placed = {tier: implicit_session(manager, tenant, f"Hello, {tier}") for tier in ("device", "host", "disk")}
-        manager.flush()  # every cache is on disk as well now (write-back)
+        manager.internals.tiers.flush()  # every cache is on disk as well now (write-back)
         manager.evict_session(tenant, placed["host"], "host")
         manager.evict_session(tenant, placed["disk"], "disk")
         assert {tier: manager.session_info(tenant, sid).tier for tier, sid in placed.items()} == {
@@ -116,16 +116,18 @@ def test_expiry_removes_the_cache_from_every_tier(db_url: str, tmp_path: Path, t
             "host": "host",
             "disk": "disk",
         }
-        files = {sid: manager.disk_store.path_for(key_of(tenant, sid)) for sid in placed.values()}
+        files = {sid: manager.internals.disk_store.path_for(key_of(tenant, sid)) for sid in placed.values()}
         assert files[placed["disk"]].exists()
 
-        manager.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
+        manager.internals.histories.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
         assert manager.expire_sessions() == 3
         assert manager.list_sessions(tenant) == []
-        assert all(manager.tiers.placement(key_of(tenant, sid)) is None for sid in placed.values())
+        assert all(manager.internals.tiers.placement(key_of(tenant, sid)) is None for sid in placed.values())
         assert not any(path.exists() for path in files.values())
         # Only the tenant's shared base layer (no session) may stay.
-        assert [blob.session_id for blob in manager.metadata.list_blobs(location=None) if blob.session_id] == []
+        assert [
+            blob.session_id for blob in manager.internals.metadata.list_blobs(location=None) if blob.session_id
+        ] == []
         tiers = manager.stats()["tiers"]
         assert [tiers[t]["sessions"] for t in ("device", "host", "disk")] == [0, 0, 0]
 
@@ -137,11 +139,11 @@ def test_expiry_removes_the_shared_redis_copy(
     with open_manager(tmp_path / "home", tiny_engine, db_url, redis_url=redis_url, redis_prefix=redis_prefix) as m:
         tenant = m.create_tenant("acme").id
         sid = implicit_session(m, tenant, "Hello")
-        m.flush()
-        assert m.shared_store is not None and m.shared_store.contains(key_of(tenant, sid))
-        m.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
+        m.internals.tiers.flush()
+        assert m.internals.shared_store is not None and m.internals.shared_store.contains(key_of(tenant, sid))
+        m.internals.histories.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
         assert m.expire_sessions() == 1
-        assert not m.shared_store.contains(key_of(tenant, sid))
+        assert not m.internals.shared_store.contains(key_of(tenant, sid))
 
 
 def test_a_session_that_came_back_to_life_since_it_was_listed_is_kept(
@@ -158,8 +160,8 @@ def test_a_session_that_came_back_to_life_since_it_was_listed_is_kept(
             return found
 
         monkeypatch.setattr(HistoryStore, "expired", listed_then_revived)
-        manager.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
-        assert [e.session_id for e in manager.retention.expire()] == [idle]
+        manager.internals.histories.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
+        assert [e.session_id for e in manager.internals.histories.retention.expire()] == [idle]
         assert [s.id for s in manager.list_sessions(tenant)] == [revived]
 
 
@@ -167,7 +169,7 @@ def test_a_session_with_a_turn_in_flight_is_kept(db_url: str, tmp_path: Path, ti
     with open_manager(tmp_path / "home", tiny_engine, db_url) as manager:
         tenant = manager.create_tenant("acme").id
         sid = implicit_session(manager, tenant, "Hello")
-        manager.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
-        with manager.tiers.lease(key_of(tenant, sid)):  # what a turn holds while it runs
+        manager.internals.histories.retention.clock = lambda: utcnow() + timedelta(seconds=TTL_S)
+        with manager.internals.tiers.lease(key_of(tenant, sid)):  # what a turn holds while it runs
             assert manager.expire_sessions() == 0
         assert manager.expire_sessions() == 1
