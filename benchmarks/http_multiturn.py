@@ -20,7 +20,9 @@ server, behind 8 sessions' write-backs).
 
 Per turn: TTFT as the client sees it (request sent to the first SSE chunk with content), median and
 p95 over users; then aggregate throughput (completion tokens of every turn of every user over the
-wall time of the whole run). Replies are compared across the servers (greedy: they should be
+wall time of the whole run) and the server process's CPU time over the measured turns (it moves
+little with other processes' load, wall time does: on a shared machine it is the steadier way to
+see what the Responses pattern costs beside chat completions). Replies are compared across the servers (greedy: they should be
 identical; batching can flip a near-tie, which is reported, not hidden).
 
     .venv/bin/python benchmarks/http_multiturn.py [--quick] [--threads 1]
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from _common import (
     SYSTEM_PROMPT,
     base_parser,
@@ -174,7 +177,23 @@ def measure(
     with chatkv_server(home, args, settings, home.parent / f"server-{pattern}.log") as url:
         warm = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
         stream_turn(warm, model, [{"role": "user", "content": "Warm up."}], 4)  # kernels, allocator
-        return {pattern: run_users(url, key, model, messages, args, responses=pattern == "responses")}
+        server = _server_process(url)
+        before = server.cpu_times()
+        figures = run_users(url, key, model, messages, args, responses=pattern == "responses")
+        after = server.cpu_times()
+        # CPU time barely moves with other processes' load (wall time on a shared 2-core machine
+        # does), so it shows what one pattern costs the server beside another.
+        figures["server_cpu_s"] = (after.user + after.system) - (before.user + before.system)
+        return {pattern: figures}
+
+
+def _server_process(url: str) -> psutil.Process:
+    """The `chatkv serve` child process listening at `url`'s port."""
+    port = url.rsplit(":", 1)[1].split("/", 1)[0]
+    for child in psutil.Process().children():
+        if port in child.cmdline():
+            return child
+    raise SystemExit(f"no server process listens on port {port}")
 
 
 def main() -> None:
@@ -250,9 +269,21 @@ def main() -> None:
     )
     print_table(
         "aggregate throughput (completion tokens of all turns / wall time of the whole run)",
-        ["server", "tokens", "wall", "tokens/s"],
-        [[name, r["tokens"], fmt_s(r["wall_s"]), f"{r['tokens_per_s']:.1f}"] for name, r in results.items()],
+        ["server", "tokens", "wall", "tokens/s", "server CPU", "server CPU per turn"],
+        [
+            [
+                name,
+                r["tokens"],
+                fmt_s(r["wall_s"]),
+                f"{r['tokens_per_s']:.1f}",
+                fmt_s(r["server_cpu_s"]),
+                fmt_s(r["server_cpu_s"] / (args.users * args.turns)),
+            ]
+            for name, r in results.items()
+        ],
     )
+    cpu_ratio = results["responses"]["server_cpu_s"] / results["chatkv"]["server_cpu_s"]
+    print(f"\nserver CPU time responses / chatkv (stateless chat completions): {fmt_ratio(cpu_ratio)}")
     ratio = results["chatkv"]["tokens_per_s"] / results["re-prefill"]["tokens_per_s"]
     last = args.turns - 1
     print(f"\nthroughput chatkv / re-prefill: {fmt_ratio(ratio)}")

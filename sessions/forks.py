@@ -103,14 +103,14 @@ class Forks:
             raise InvalidInput(f"a fork keeps 0 or more turns, got {turns!r}")
         if turns > record.message_count // 2:
             # Checked before the database sees it: a huge count would overflow its integers.
-            raise InvalidInput(f"no turn {turns}: session {parent} has {record.message_count // 2} turns")
+            raise InvalidInput(f"no turn {turns}: session {parent} has {_turns(record.message_count // 2)}")
         session_id = SessionId(SESSION_ID_PREFIX + secrets.token_hex(12))
         try:
             stream_end = self._history.fork(
                 tenant_id=tenant_id, parent_id=record.id, session_id=session_id, turns=turns, origin=origin
             )
         except NoSuchTurn:
-            raise InvalidInput(f"no turn {turns}: session {parent} has {record.message_count // 2} turns") from None
+            raise InvalidInput(f"no turn {turns}: session {parent} has {_turns(record.message_count // 2)}") from None
         except SessionGone:
             raise SessionNotFound(str(parent)) from None
         source = "new" if turns == 0 else "rebuilt"
@@ -191,3 +191,7 @@ class Forks:
         except TemplateDivergence:
             return None
         return rendering_digest(head.rendering + last.assistant_text)
+
+
+def _turns(count: int) -> str:
+    return f"{count} turn" if count == 1 else f"{count} turns"

@@ -30,6 +30,9 @@ def chat_command(
     and where the cache came from (new session, device, host, disk, Redis, or rebuilt from the
     transcript). Without --session the first message starts a new session, kept once its reply is
     stored: leaving before that leaves nothing behind. Type /quit or press Ctrl-D to leave.
+
+    While `chatkv serve` holds the home this command is refused (the server's process owns the
+    model and the sessions): chat in its web UI or through its HTTP API instead.
     """
     home = home_dir(ctx.obj)
     owner = read_owner(home)

@@ -94,7 +94,7 @@ class OneLineErrorsGroup(CommandGroup):
         except AdminRequestFailed as exc:
             _fail(str(exc), 2 if exc.status < 500 else 1)
         except httpx.ConnectError as exc:
-            _fail(f"the server cannot be reached: {exc}", 1)
+            _fail(f"the server{_at(exc)} cannot be reached: {exc}", 1)
         except httpx.HTTPError as exc:  # timeouts, dropped connections
             _fail(f"the request to the server failed: {exc}", 1)
         except UnicodeError:
@@ -102,6 +102,15 @@ class OneLineErrorsGroup(CommandGroup):
         except OSError as exc:
             _fail(str(exc), 1)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _at(exc: httpx.RequestError) -> str:
+    """` at http://host:port` for the request that failed (`--server`, CHATKV_SERVER), else ``."""
+    try:
+        url = exc.request.url
+    except RuntimeError:  # an error raised outside a request carries none
+        return ""
+    return f" at {url.scheme}://{url.netloc.decode()}"
 
 
 def held_by_server(exc: HomeLocked) -> str:

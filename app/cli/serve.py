@@ -19,7 +19,10 @@ def serve_command(
     ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 7860,
-    local: Annotated[bool, typer.Option("--local", help="Single-tenant local mode: no API key asked.")] = False,
+    local: Annotated[
+        bool,
+        typer.Option("--local", help="Single-tenant local mode: the web UI asks for no API key (the HTTP API does)."),
+    ] = False,
     model: Annotated[
         str | None,
         typer.Option(

@@ -131,11 +131,12 @@ def _render_inspect(detail: Json) -> None:
 
 
 def _origin_text(session: Json) -> str:
-    """`fork of s_... after its first 2 turns` (a fork, whichever face made it: a regenerate
-    posted to chat completions too), `implicit (made for a posted history)`, ..."""
+    """`fork of s_... at turn 3` (a fork, whichever face made it: a regenerate posted to chat
+    completions too; the turn it redoes, counted from 1 as the chat page counts it: it keeps its
+    parent's first `fork_turns` turns), `implicit (made for a posted history)`, ..."""
     origin: str = session["origin"]
     if session["parent_id"] is not None:
-        return f"fork of {session['parent_id']} after its first {count(session['fork_turns'] or 0, 'turn')}"
+        return f"fork of {session['parent_id']} at turn {(session['fork_turns'] or 0) + 1}"
     return ORIGINS.get(origin, origin)
 
 

@@ -217,6 +217,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         message = str(error.get("msg", "invalid"))
         if error.get("type") == "json_invalid":
             where, message = "", f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})"
+        elif not where and error.get("type") == "missing":  # the whole body: its location is all noise
+            message = "the request needs a JSON body"
         problems.setdefault(where, [])
         if message not in problems[where]:
             problems[where].append(message)

@@ -849,6 +849,13 @@ def test_a_fork_is_asked_for_by_session_and_turn(server: Server) -> None:
     for body in ({"at_turn": 3}, {"at_turn": -1}, {"at_turn": "1"}, {"at_turn": 2**62}, {"at_turn": 2**70}, {}):
         _error(server.post(f"/sessions/{session_id}/fork", body), 400, "invalid_request")
     _error(server.post(f"/sessions/{session_id}/fork", {"at_turn": 1}, tenant="beta"), 404, "session_not_found")
+    # A request with no body at all says what is missing, and a turn past the end counts in words.
+    assert _error(server.post(f"/sessions/{session_id}/fork"), 400, "invalid_request") == (
+        "the request needs a JSON body"
+    )
+    assert _error(server.post(f"/sessions/{session_id}/fork", {"at_turn": 3}), 400, "invalid_request") == (
+        f"no turn 3: session {session_id} has 2 turns"
+    )
 
 
 # -- native session routes ------------------------------------------------------------------------

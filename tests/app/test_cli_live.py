@@ -249,14 +249,14 @@ def test_list_and_inspect_show_name_origin_and_fork(cli: Cli, home: Path, tiny_e
     table = cli.ok("sessions", "list").stdout
     assert re.search(rf"^ *{named} +acme +support-42 +named ", table, re.MULTILINE), table
     # A fork is listed by where it comes from, whichever face made it (its origin may be `implicit`).
-    assert re.search(rf"^ *{fork} +acme +- +fork of {named} after its first 1 turn ", table, re.MULTILINE), table
+    assert re.search(rf"^ *{fork} +acme +- +fork of {named} at turn 2 ", table, re.MULTILINE), table
 
     detail = cli.json("sessions", "inspect", fork, "--tenant", "acme")["session"]
     assert (detail["origin"], detail["parent_id"], detail["fork_turns"], detail["name"]) == ("fork", named, 1, None)
     last_active = datetime.fromisoformat(detail["last_active_at"])
     assert datetime.fromisoformat(detail["expires_at"]) == last_active + timedelta(days=30)
     plain = cli.ok("sessions", "inspect", fork, "--tenant", "acme").stdout
-    assert re.search(rf"^origin +fork of {named} after its first 1 turn$", plain, re.MULTILINE), plain
+    assert re.search(rf"^origin +fork of {named} at turn 2$", plain, re.MULTILINE), plain
     assert re.search(r"^expires +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d if idle$", plain, re.MULTILINE), plain
 
     named_plain = cli.ok("sessions", "inspect", "support-42", "--tenant", "acme").stdout

@@ -98,7 +98,7 @@ def test_a_fork_reads_the_same_whichever_face_made_it(client: TestClient, tiny_m
     sessions = {s["id"]: s for s in client.get("/v1/sessions", headers=auth).json()["data"]}
     for fork, its_parent in ((regenerated, parent), (branched, response_parent)):
         assert (sessions[fork]["parent_id"], sessions[fork]["fork_turns"]) == (its_parent, 1)
-        assert _origin_text(sessions[fork]) == f"fork of {its_parent} after its first 1 turn"
+        assert _origin_text(sessions[fork]) == f"fork of {its_parent} at turn 2"
     tenant = tiny_manager.get_tenant("acme")
     infos = {str(info.id): info for info in tiny_manager.list_sessions(tenant)}
     labels = SessionLabels(tiny_manager)
@@ -123,7 +123,7 @@ def test_the_chat_page_s_turns_go_through_the_door(tiny_manager: SessionManager)
     listed = {s["id"]: s for s in AdminOps.of(tiny_manager).list_sessions(tenant="local")}
     assert listed[parent]["origin"] == "explicit" and listed[parent]["parent_id"] is None
     assert (listed[fork]["origin"], listed[fork]["parent_id"], listed[fork]["fork_turns"]) == ("fork", parent, 0)
-    assert _origin_text(listed[fork]) == f"fork of {parent} after its first 0 turns"
+    assert _origin_text(listed[fork]) == f"fork of {parent} at turn 1"
 
 
 def test_a_made_session_another_client_took_first_is_not_deleted_under_it(tiny_manager: SessionManager) -> None:

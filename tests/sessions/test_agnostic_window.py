@@ -13,28 +13,12 @@ import torch
 from cache.session_cache import SessionCache
 from sessions.engine import Engine
 from sessions.manager import SessionManager
-from tests.conftest import make_settings
 from tests.sessions.offload_helpers import reference_reply
-
-SYSTEM = "You answer in one short sentence."
-MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
-BUDGET, RECENT = 200, 24
+from tests.sessions.window_helpers import BUDGET, MESSAGES, RECENT, SYSTEM, cache_of, open_windowed
 
 
 def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
-    values: dict[str, object] = {
-        "context_budget_tokens": BUDGET,
-        "window_policy": "agnostic",
-        "window_recent_tokens": RECENT,
-    }
-    values.update(overrides)
-    return SessionManager(make_settings(home, **values), engine=engine)
-
-
-def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
-    assert cache is not None
-    return cache
+    return open_windowed(home, engine, "agnostic", **overrides)
 
 
 def kept_before(cache: SessionCache, stream_end: int) -> list[torch.Tensor]:

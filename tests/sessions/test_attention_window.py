@@ -12,29 +12,20 @@ import pytest
 import torch
 
 from cache.serialization import session_cache_to_tensors
-from cache.session_cache import LayerKind, SessionCache
+from cache.session_cache import LayerKind
 from sessions.engine import Engine
 from sessions.errors import ContextTooLong
 from sessions.manager import SessionManager
 from storage import codec
 from storage.keyring import blob_aad, seal
 from tests.conftest import make_settings
+from tests.sessions.window_helpers import BUDGET, MESSAGES, RECENT, SYSTEM, cache_of, open_windowed
 
-SYSTEM = "You answer in one short sentence."
-MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
-BUDGET, RECENT = 200, 24
 CHUNK = 128  # window_rebuild_chunk_tokens in the test of the reservations
 
 
 def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
-    values: dict[str, object] = {
-        "context_budget_tokens": BUDGET,
-        "window_policy": "attention",
-        "window_recent_tokens": RECENT,
-        "window_observation_tokens": 8,
-    }
-    values.update(overrides)
-    return SessionManager(make_settings(home, **values), engine=engine)
+    return open_windowed(home, engine, "attention", **{"window_observation_tokens": 8, **overrides})
 
 
 def evicted_session(home: Path, engine: Engine) -> str:
@@ -47,12 +38,6 @@ def evicted_session(home: Path, engine: Engine) -> str:
             manager.chat(tenant, sid, message, max_new_tokens=8)
         assert cache_of(manager, tenant.id, sid).evicted_tokens > 0
     return sid
-
-
-def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
-    assert cache is not None
-    return cache
 
 
 def test_tokens_are_evicted_per_head_while_every_turn_layer_and_the_base_stay(

@@ -10,37 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.session_cache import LayerKind, LayerSpan, SessionCache
+from cache.session_cache import LayerKind, LayerSpan
 from cache.window_policy import WindowPolicy
 from sessions import Reply, TurnOptions, TurnTarget
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.turn.preparer import CHUNKED_REBUILD_SLACK, REBUILD_SLACK
 from sessions.turn.window import TurnWindow, restack_kept
-from tests.conftest import make_settings
 from tests.sessions.offload_helpers import reference_reply
+from tests.sessions.window_helpers import BUDGET, MESSAGES, SYSTEM, cache_of, open_windowed
 
-SYSTEM = "You answer in one short sentence."
-MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
-BUDGET, RECENT, CHUNK = 200, 24, 32
+CHUNK = 32
 
 
 def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
-    values: dict[str, object] = {
-        "context_budget_tokens": BUDGET,
-        "window_policy": "attention",
-        "window_recent_tokens": RECENT,
-        "window_observation_tokens": 8,
-        "window_rebuild_chunk_tokens": CHUNK,
-    }
-    values.update(overrides)
-    return SessionManager(make_settings(home, **values), engine=engine)
-
-
-def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
-    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
-    assert cache is not None
-    return cache
+    values = {"window_observation_tokens": 8, "window_rebuild_chunk_tokens": CHUNK, **overrides}
+    return open_windowed(home, engine, "attention", **values)
 
 
 def conversed(manager: SessionManager, tenant: str, turns: int) -> str:

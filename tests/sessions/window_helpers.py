@@ -1,0 +1,33 @@
+"""What the window tests share: a manager whose context budget forces eviction within a few of
+`MESSAGES`, and the session cache the manager holds for a session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cache.session_cache import SessionCache
+from sessions.engine import Engine
+from sessions.manager import SessionManager
+from tests.conftest import make_settings
+
+SYSTEM = "You answer in one short sentence."
+MESSAGES = [f"note {i}: the parcel number is {1000 + 37 * i}, remember it" for i in range(12)]
+BUDGET, RECENT = 200, 24
+
+
+def open_windowed(home: Path, engine: Engine, policy: str, **overrides: object) -> SessionManager:
+    """A manager with a `BUDGET`-token context under `policy`, keeping the last `RECENT` tokens."""
+    values: dict[str, object] = {
+        "context_budget_tokens": BUDGET,
+        "window_policy": policy,
+        "window_recent_tokens": RECENT,
+        **overrides,
+    }
+    return SessionManager(make_settings(home, **values), engine=engine)
+
+
+def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
+    """The cache the manager holds for `sid` in whichever tier; fails the test when there is none."""
+    cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
+    assert cache is not None
+    return cache
