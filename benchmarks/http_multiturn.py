@@ -22,8 +22,9 @@ Per turn: TTFT as the client sees it (request sent to the first SSE chunk with c
 p95 over users; then aggregate throughput (completion tokens of every turn of every user over the
 wall time of the whole run) and the server process's CPU time over the measured turns (it moves
 little with other processes' load, wall time does: on a shared machine it is the steadier way to
-see what the Responses pattern costs beside chat completions). Replies are compared across the servers (greedy: they should be
-identical; batching can flip a near-tie, which is reported, not hidden).
+see what the Responses pattern costs beside chat completions). Replies are compared across the
+servers (greedy: they should be identical; batching can flip a near-tie, which is reported, not
+hidden).
 
     .venv/bin/python benchmarks/http_multiturn.py [--quick] [--threads 1]
 """
