@@ -4,7 +4,6 @@ recent tokens kept, restores from host and disk, a policy switch on existing ses
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from sessions.manager import SessionManager
 from storage import codec
 from storage.keyring import blob_aad, seal
 from tests.conftest import make_settings
-from tests.sessions.window_helpers import BUDGET, MESSAGES, RECENT, SYSTEM, cache_of, open_windowed
+from tests.sessions.window_helpers import BUDGET, MESSAGES, RECENT, SYSTEM, cache_of, open_windowed, record_reservations
 
 CHUNK = 128  # window_rebuild_chunk_tokens in the test of the reservations
 
@@ -79,15 +78,7 @@ def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(
     with open_manager(tmp_path / "home", tiny_engine, window_rebuild_chunk_tokens=CHUNK) as manager:
         # Reservations made on the turn's own thread (the engine loop's admission of the request
         # itself runs on the loop's thread and is not counted here).
-        reserved: list[int] = []
-        reserve = manager.internals.tiers.reserve_device_bytes
-
-        def recording(nbytes: int, *, force: bool) -> bool:
-            if threading.current_thread() is threading.main_thread():
-                reserved.append(nbytes)
-            return reserve(nbytes, force=force)
-
-        monkeypatch.setattr(manager.internals.tiers, "reserve_device_bytes", recording)
+        reserved = record_reservations(manager, monkeypatch)
         tenant = manager.create_tenant("acme")
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
         per_token = tiny_engine.layout.bytes_per_token

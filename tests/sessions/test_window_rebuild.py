@@ -18,7 +18,7 @@ from sessions.manager import SessionManager
 from sessions.turn.preparer import CHUNKED_REBUILD_SLACK, REBUILD_SLACK
 from sessions.turn.window import TurnWindow, restack_kept
 from tests.sessions.offload_helpers import reference_reply
-from tests.sessions.window_helpers import BUDGET, MESSAGES, SYSTEM, cache_of, open_windowed
+from tests.sessions.window_helpers import BUDGET, MESSAGES, SYSTEM, cache_of, open_windowed, record_reservations
 
 CHUNK = 32
 
@@ -43,15 +43,7 @@ def test_a_chunked_rebuild_never_holds_more_than_the_budget_plus_a_chunk(
         tenant = manager.create_tenant("acme").id
         sid = conversed(manager, tenant, 9)
         manager.evict_session(tenant, sid, "drop")
-        reserved: list[int] = []  # the buffers the turn's own thread prefills into
-        reserve = manager.internals.tiers.reserve_device_bytes
-
-        def recording(nbytes: int, *, force: bool) -> bool:
-            if threading.current_thread() is threading.main_thread():
-                reserved.append(nbytes)
-            return reserve(nbytes, force=force)
-
-        monkeypatch.setattr(manager.internals.tiers, "reserve_device_bytes", recording)
+        reserved = record_reservations(manager, monkeypatch)  # the buffers the turn's own thread prefills into
         reply = manager.chat(tenant, sid, MESSAGES[9], max_new_tokens=8)
         cache = cache_of(manager, tenant, sid)
     assert reply.stats.restored_from == "rebuilt"

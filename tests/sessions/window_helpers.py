@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+import pytest
 
 from cache.session_cache import SessionCache
 from sessions.engine import Engine
@@ -31,3 +34,18 @@ def cache_of(manager: SessionManager, tenant: str, sid: str) -> SessionCache:
     cache = manager.internals.tiers.peek(manager.internals.tiers_key(tenant, sid))
     assert cache is not None
     return cache
+
+
+def record_reservations(manager: SessionManager, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The device bytes reserved from now on by the test's own thread (the turn's buffers: the
+    engine loop's thread reserves its own, not counted), in order, as a list that fills as they come."""
+    reserved: list[int] = []
+    reserve = manager.internals.tiers.reserve_device_bytes
+
+    def recording(nbytes: int, *, force: bool) -> bool:
+        if threading.current_thread() is threading.main_thread():
+            reserved.append(nbytes)
+        return reserve(nbytes, force=force)
+
+    monkeypatch.setattr(manager.internals.tiers, "reserve_device_bytes", recording)
+    return reserved
