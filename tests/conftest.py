@@ -18,6 +18,12 @@ import pytest
 import redis
 import torch
 
+# Under pytest-xdist each worker process gets an equal share of the cores for torch's intra-op
+# threads: the default (every core in every worker) oversubscribes the CPU and slows every model
+# step far more than the parallel workers gain.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from sessions.engine import Engine
 from sessions.manager import Services, SessionManager, open_services
 from sessions.model_source import converted_default_dir, load_model

@@ -99,7 +99,7 @@ def test_a_session_resumes_from_disk_in_a_new_process(tmp_path: Path, never_left
 
 def blob_is_current(home: Path, fingerprint: str, tenant_id: str, session_id: str) -> bool:
     """Whether the session's disk blob holds its cache up to the last committed turn (opened with
-    the real key ring, as a restart would)."""
+    the real key ring, as a restart would) and its base layer's blob is on disk too."""
     engine = open_database(f"sqlite:///{home / 'chatkv.db'}")
     try:
         metadata = MetadataStore(engine)
@@ -107,7 +107,12 @@ def blob_is_current(home: Path, fingerprint: str, tenant_id: str, session_id: st
         path = home / "blobs" / tenant_id / f"{session_id}.ckv"
         if session is None or not path.is_file():
             return False
-        if not any(r.name == session_id for r in metadata.list_blobs(tenant_id=tenant_id)):
+        names = [r.name for r in metadata.list_blobs(tenant_id=tenant_id)]
+        # The base layer's blob is written by its own write-back: until it lands, a restart
+        # restores the session's turns but prefills the system prompt again.
+        if session_id not in names or not any(name.startswith("base-") for name in names):
+            return False
+        if not any(p.name.startswith("base-") for p in (home / "blobs" / tenant_id).glob("*.ckv")):
             return False
         sealer = EncryptedCacheSealer(
             TenantKeys(metadata, load_master_key(home, MASTER_KEY)),
