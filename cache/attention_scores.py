@@ -18,10 +18,11 @@ is computed here against the cached keys, for `window_tokens` queries per model 
     queries captured                                                            |   ...  | last W     |
     scores                            | sum over W, over each KV group's query heads; max-pooled       |
 
-The `agnostic` policy scores by context reconstruction instead (KVzip, Kim et al., NeurIPS 2025):
-`ReconstructionScores` keeps, per KV pair, the most attention any query of a prompt that repeats the
-context paid it (`sessions.turn.window.TurnWindow.reconstruction_scores` runs that prefill).
-`QueryLog` approximates it from the queries the turn itself ran (the agnostic rebuild's chunks).
+The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill and reply, the last
+1,024 per model layer) and scores the whole buffer when the turn commits: an approximation of KVzip
+(Kim et al., NeurIPS 2025), whose own score, `ReconstructionScores` (the most attention any query of
+a prompt that repeats the context pays each KV pair; `sessions.turn.window.TurnWindow.
+reconstruction_scores` runs that prefill), is measured in `benchmarks/window_quality.py`, not served.
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ class QueryLog(ObservationWindow):
     extra pass: the queries the conversation itself ran (each turn's prompt and reply) stand in for
     the reconstruction's, and a pair's score is the most attention any of them paid it (KVzip's max
     over queries and the query heads of a KV group), accumulated as turns commit
-    (`cache.token_eviction.committed_scores`).
+    (`cache.token_eviction.committed_scores`). Measured against the reconstruction itself
+    (`ReconstructionScores`, `benchmarks/window_quality.py`): no worse with the served uniform
+    budgets (better at 25-50% of the context), at a ninth of its cost; the reconstruction wins only
+    with per-head (Ada-KV) budgets, which are not served.
 
     Attach to the turn's working cache before it is submitted (`with` block), `turn_scores` after
     it finished. At most

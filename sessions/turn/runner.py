@@ -18,9 +18,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Generator, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
+from cache.attention_scores import QueryLog
 from cache.ids import SessionId, TenantId
 from cache.lease import Lease
 from cache.session_cache import BaseLayer, SessionCache
@@ -38,7 +39,6 @@ from sessions.turn.prepared import PendingBase, PreparedTurn
 from sessions.turn.preparer import TurnPreparer
 from sessions.turn.stop_strings import NO_STOP, StopScanner, StopStrings
 from sessions.turn.transcript import Transcript
-from sessions.turn.window import RECONSTRUCTION_INSTRUCTION
 
 
 class TurnRunner:
@@ -55,7 +55,6 @@ class TurnRunner:
         self._active_lock = threading.Lock()
         self._preparing: Counter[TenantId] = Counter()
         self._closed_error: BaseException | None = None
-        self._reconstruction_prompt = preparer.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION)
 
     @contextmanager
     def _running(self, key: CacheKey, request: Request, cancel: CancelToken | None) -> Iterator[None]:
@@ -144,26 +143,21 @@ class TurnRunner:
         started = time.perf_counter()
         with self._preparation(tenant_id):
             prepared = self.preparer.prepare(tenant_id, session_id, transcript, user_text, params, lease, cancel)
-        generation = yield from self._stream(prepared, params, stop, started, lease, cancel)
+        log = None
+        if self.preparer.window.policy == "agnostic" and prepared.cache.full_layers:
+            prepared = _with_working(prepared, params.max_new_tokens)
+            log = QueryLog(prepared.start.working)  # type: ignore[arg-type]  # just built
+        with log if log is not None else nullcontext():
+            generation = yield from self._stream(prepared, params, stop, started, lease, cancel)
         start = self._start_cache(prepared, generation.working, lease)
         outcome = complete_turn(
             prepared, generation, start=start, transcript=transcript, user_text=user_text, rules=self.rules
         )
-        if self.preparer.window.policy == "agnostic" and outcome.cache is not None and outcome.cache.full_layers:
-            outcome = replace(outcome, cache=self._commit_scores(start, outcome.cache))
+        if log is not None and outcome.cache is not None:
+            # The `agnostic` policy's scores, fixed now, before the next question is known.
+            scores = committed_scores(start, outcome.cache, log.turn_scores())
+            outcome = replace(outcome, cache=outcome.cache.with_scores(scores))
         yield outcome
-
-    def _commit_scores(self, start: SessionCache, after: SessionCache) -> SessionCache:
-        """`after` with the `agnostic` policy's scores, fixed now, before the next question is known
-        (the reply has been streamed; the turn's outcome waits for them): KVzip's reconstruction
-        (Kim et al., NeurIPS 2025) of the ids this turn added, on top of `after`
-        (`TurnWindow.reconstruction_scores`); a token held before keeps the larger of its earlier
-        score and this one (`committed_scores`). The reconstruction's own KV is dropped."""
-        added = after.own_token_ids[len(start.own_token_ids) :]
-        if not added:  # nothing new to reconstruct: earlier scores stand (recency where none)
-            return after.with_scores(start.own_scores) if start.own_scores is not None else after
-        fresh = self.preparer.fitting.reconstruction_scores(after, added, self._reconstruction_prompt)
-        return after.with_scores(committed_scores(start, after, tuple(fresh)))
 
     def _stream(
         self,
@@ -247,3 +241,12 @@ class TurnRunner:
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
         base = BaseLayer(pending.key, pending.token_ids, keys, values)
         return self.preparer.reuse.adopt_base(lease, base)
+
+
+def _with_working(prepared: PreparedTurn, max_new_tokens: int) -> PreparedTurn:
+    """`prepared` with its working buffer built here rather than at the loop's admission (the same
+    buffer: `Request`), so a `QueryLog` can be attached to it before the loop runs it."""
+    if prepared.start.working is not None:
+        return prepared
+    working = prepared.cache.to_working_cache(len(prepared.prefill) + max_new_tokens)
+    return replace(prepared, start=replace(prepared.start, working=working))

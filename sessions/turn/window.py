@@ -19,9 +19,14 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
       working (kept)   | base | own, kept per head | turn ids but the last | last id, reply ...
 
 - `agnostic` (lossy, question-agnostic): evicts like `attention`, but by scores fixed when the
-  previous turns committed (`SessionCache.own_scores`: the most attention each token received
-  from any query of the turns after it, `cache.attention_scores.QueryLog`, logged by the runner),
-  so the kept set does not depend on the next question and the window step prefills nothing.
+  previous turns committed (`SessionCache.own_scores`), so the kept set does not depend on the
+  next question and the window step prefills nothing: the most attention each token received
+  from any query of the turns after it (`cache.attention_scores.QueryLog`, logged by the
+  runner), an approximation of KVzip's reconstruction scores (Kim et al., NeurIPS 2025).
+  `reconstruction_scores` computes KVzip's own (the model repeats the context on a copy of the
+  cache); `benchmarks/window_quality.py` measures them: they beat the approximation only with
+  per-head budgets (Ada-KV), which the rectangular session cache does not hold, so they are not
+  served.
 
 Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer
 holds its window and no more (never scored past it); a model without full-attention layers demotes

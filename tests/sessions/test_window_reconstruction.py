@@ -1,6 +1,6 @@
-"""KVzip's reconstruction scores (`TurnWindow.reconstruction_scores`) against the attention weights
-of an eager forward pass over the same ids, and the `agnostic` policy's commit-time scores built
-from them: the turn's ids reconstructed on top of its cache, nothing of the reconstruction kept."""
+"""KVzip's reconstruction scores (`TurnWindow.reconstruction_scores`, measured in
+`benchmarks/window_quality.py`) against the attention weights of an eager forward pass over the same
+ids; nothing of the reconstruction kept; sliding-window layers never scored."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from cache.attention_scores import ReconstructionScores
 from cache.session_cache import SessionCache
-from cache.token_eviction import committed_scores
 from cache.window_policy import WindowPolicy
 from sessions.engine import Engine
 from sessions.manager import SessionManager
@@ -67,33 +67,44 @@ def test_the_prompt_asks_for_a_repeat_in_a_user_turn_after_the_reply(tiny_manage
     assert text == f"<|im_end|>\n<|im_start|>user\n{RECONSTRUCTION_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_an_agnostic_turn_commits_the_reconstruction_of_its_own_ids(tmp_path: Path, tiny_engine: Engine) -> None:
-    """Scores of turn 2's cache: turn 2's ids reconstructed on it, the larger of that and turn 1's
-    score for turn 1's tokens; the cache holds the same KV as a `turns` session's (no reconstruction
-    KV kept)."""
-    caches = {}
-    for policy in ("agnostic", "turns"):
-        with open_windowed(tmp_path / policy, tiny_engine, policy, context_budget_tokens=4000) as manager:
-            first = unevicted_cache(manager, 1)
-            tenant = manager.create_tenant("other").id
-            sid = manager.open_session(tenant, system_prompt=SYSTEM)
-            for message in MESSAGES[:2]:
-                manager.chat(tenant, sid, message, max_new_tokens=6, ignore_eos=True)
-            caches[policy] = (first, cache_of(manager, tenant, sid))
-            prompt = list(manager.internals.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION))
-            window = TurnWindow(tiny_engine, WindowPolicy(4000))
-    (first, second), (_, plain) = caches["agnostic"], caches["turns"]
-    assert first.own_scores is not None and second.own_scores is not None and plain.own_scores is None
-    assert second.own_token_ids == plain.own_token_ids
-    assert all(torch.equal(a, b) for a, b in zip(second.own_keys, plain.own_keys, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(second.own_values, plain.own_values, strict=True))
-    before = first.with_scores(None)
-    turn1 = window.reconstruction_scores(first, first.own_token_ids, prompt)
-    expected_first = committed_scores(before, first, tuple(turn1))
-    for got, want in zip(first.own_scores, expected_first, strict=True):
-        torch.testing.assert_close(got, want)
-    added = second.own_token_ids[len(first.own_token_ids) :]
-    turn2 = window.reconstruction_scores(second, added, prompt)
-    expected = committed_scores(first, second, tuple(turn2))
-    for got, want in zip(second.own_scores, expected, strict=True):
-        torch.testing.assert_close(got, want)
+def test_the_reconstruction_leaves_the_cache_it_scores_as_it_was(tmp_path: Path, tiny_engine: Engine) -> None:
+    """The reconstruction's KV lives in a copy that is dropped: the session cache's tensors, ids
+    and positions are what they were, and a turn after it replies as one without it."""
+    with open_windowed(tmp_path / "home", tiny_engine, "turns", context_budget_tokens=4000) as manager:
+        cache = unevicted_cache(manager, 2)
+        prompt = list(manager.internals.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION))
+    before = [t.clone() for t in (*cache.own_keys, *cache.own_values)]
+    ids, position = cache.own_token_ids, cache.next_position
+    TurnWindow(tiny_engine, WindowPolicy(4000)).reconstruction_scores(cache, cache.own_token_ids, prompt, 16)
+    after = [*cache.own_keys, *cache.own_values]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert (cache.own_token_ids, cache.next_position) == (ids, position)
+    assert [layer.get_seq_length() for layer in cache.to_working_cache(1).prealloc_layers] == [
+        cache.total_tokens
+    ] * len(cache.own_keys)
+
+
+def test_sliding_window_layers_are_never_scored(tmp_path: Path, gemma3_engine: Engine) -> None:
+    with open_windowed(tmp_path / "home", gemma3_engine, "agnostic", context_budget_tokens=4000) as manager:
+        cache = unevicted_cache(manager, 2)
+        prompt = list(manager.internals.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION))
+    windows = gemma3_engine.layout.windows
+    assert any(w is not None for w in windows) and any(w is None for w in windows)
+    working = cache.to_working_cache(4)
+    with ReconstructionScores(working, cache.total_tokens):
+        observed = [layer.query_observer is not None for layer in working.prealloc_layers]
+    assert observed == [w is None for w in windows]
+    scores = TurnWindow(gemma3_engine, WindowPolicy(4000)).reconstruction_scores(cache, cache.own_token_ids, prompt)
+    assert scores.shape[0] == len(cache.full_layers) == windows.count(None)
+    assert cache.own_scores is not None and len(cache.own_scores) == len(cache.full_layers)
+
+
+def test_a_reconstruction_of_nothing_or_in_empty_chunks_is_refused(tiny_engine: Engine) -> None:
+    cache = tiny_engine.empty_cache(None)
+    window = TurnWindow(tiny_engine, WindowPolicy(4000))
+    with pytest.raises(ValueError, match=r"^need context ids and chunk_tokens >= 1, got 0 ids, 2048$"):
+        window.reconstruction_scores(cache, [], [1, 2])
+    with pytest.raises(ValueError, match=r"^need context ids and chunk_tokens >= 1, got 2 ids, 0$"):
+        window.reconstruction_scores(cache, [5, 6], [1, 2], chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"^cached_tokens must be >= 0, got -1$"):
+        ReconstructionScores(cache.to_working_cache(1), -1)
