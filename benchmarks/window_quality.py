@@ -1,8 +1,10 @@
 """Window policies compared (issues 13, 31): `turns` (whole oldest turns demoted) against `attention`
 (tokens evicted per KV head by the attention of the new turn's last queries, SnapKV-style) and
 `agnostic` (the same eviction by scores fixed when the earlier turns committed), on the real default
-model, greedy. The replay logs every turn's queries and commits `agnostic`'s scores, as chatkv's
-runner does under that policy.
+model, greedy. `agnostic` runs with two commit-time scores: `querylog` (the turn's own queries, as
+chatkv's runner serves it) and `kvzip` (KVzip's reconstruction, Kim et al., NeurIPS 2025: the
+model repeats the committed turn's ids after a "Repeat the previous context exactly." prompt on a
+copy of the cache, `TurnWindow.reconstruction_scores`; measured, not served).
 
 Each conversation is first run through chatkv with an unbounded window (the reference: exact cache,
 its greedy replies). Then, for each policy and context budget, the same conversation (the
@@ -30,7 +32,8 @@ as chatkv's manager does; a 2-token difference per layer boundary.)
    a. final-turn compression (SCBench's setting: a long context cached once, compressed, then
       queried): the unbounded cache compressed to the budget when the last question arrives,
       `turns` by chatkv's window step, the lossy scores (`attention`: the question's observation
-      window; `agnostic`: commit-time) with the kept total spent `uniform` (as served),
+      window; `querylog` and `kvzip`: commit-time; `kvzip whole`: the whole context reconstructed
+      once at the end, KVzip's own setting) with the kept total spent `uniform` (as served),
       `per_head` (Ada-KV) or `per_layer` (PyramidKV) (`cache.budget_allocation`), applied as a
       mask on attention: kept keys keep their positions, so masking a slot equals evicting it
       (checked against the served gather on the first conversation). The cache size each
@@ -45,11 +48,13 @@ as chatkv's manager does; a 2-token difference per layer boundary.)
 3. Cost: seconds per evicting turn (the window step, then the prefill of the turn's ids and its
    teacher-forced reply), `attention` against `turns` at the same budget; the `attention` turn
    prefills its ids once on the full cache with the observation window captured, then evicts and
-   carries the prefill over (split out: the observed prefill, the gather and carry).
+   carries the prefill over (split out: the observed prefill, the gather and carry). Commit-time
+   scores (after the reply): the query log's and the KVzip reconstruction's, against a turn.
 
     .venv/bin/python benchmarks/window_quality.py --threads 1
     .venv/bin/python benchmarks/window_quality.py --threads 1 --quick     # 6 recall + 3 quality conversations
     .venv/bin/python benchmarks/window_quality.py --threads 1 --recall 0  # the quality part only
+    .venv/bin/python benchmarks/window_quality.py --threads 1 --recall 0 --skip-multi-turn  # compression only
 """
 
 from __future__ import annotations
@@ -236,8 +241,9 @@ def replay(
             timings[4].append(time.perf_counter() - committing)
         stream += len(fed)
     snapshots.append((cache, stream))
+    scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s, every_s = timings
     final = fit(cache, conv.final_user)
-    return Replayed(final, *timings[:6], snapshots=snapshots, every_s=timings[6])
+    return Replayed(final, scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s, snapshots, every_s)
 
 
 def working_of(fitted: FittedWindow, extra_tokens: int) -> WorkingCache:
