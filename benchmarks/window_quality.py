@@ -1,8 +1,10 @@
 """Window policies compared (issues 13, 31): `turns` (whole oldest turns demoted) against `attention`
 (tokens evicted per KV head by the attention of the new turn's last queries, SnapKV-style) and
 `agnostic` (the same eviction by scores fixed when the earlier turns committed), on the real default
-model, greedy. The replay logs every turn's queries and commits `agnostic`'s scores, as chatkv's
-runner does under that policy.
+model, greedy. `agnostic` runs with two commit-time scores: `querylog` (the turn's own queries, as
+chatkv's runner serves it) and `kvzip` (KVzip's reconstruction, Kim et al., NeurIPS 2025: the
+model repeats the committed turn's ids after a "Repeat the previous context exactly." prompt on a
+copy of the cache, `TurnWindow.reconstruction_scores`; measured, not served).
 
 Each conversation is first run through chatkv with an unbounded window (the reference: exact cache,
 its greedy replies). Then, for each policy and context budget, the same conversation (the
@@ -30,7 +32,8 @@ as chatkv's manager does; a 2-token difference per layer boundary.)
    a. final-turn compression (SCBench's setting: a long context cached once, compressed, then
       queried): the unbounded cache compressed to the budget when the last question arrives,
       `turns` by chatkv's window step, the lossy scores (`attention`: the question's observation
-      window; `agnostic`: commit-time) with the kept total spent `uniform` (as served),
+      window; `querylog` and `kvzip`: commit-time; `kvzip whole`: the whole context reconstructed
+      once at the end, KVzip's own setting) with the kept total spent `uniform` (as served),
       `per_head` (Ada-KV) or `per_layer` (PyramidKV) (`cache.budget_allocation`), applied as a
       mask on attention: kept keys keep their positions, so masking a slot equals evicting it
       (checked against the served gather on the first conversation). The cache size each
@@ -45,11 +48,13 @@ as chatkv's manager does; a 2-token difference per layer boundary.)
 3. Cost: seconds per evicting turn (the window step, then the prefill of the turn's ids and its
    teacher-forced reply), `attention` against `turns` at the same budget; the `attention` turn
    prefills its ids once on the full cache with the observation window captured, then evicts and
-   carries the prefill over (split out: the observed prefill, the gather and carry).
+   carries the prefill over (split out: the observed prefill, the gather and carry). Commit-time
+   scores (after the reply): the query log's and the KVzip reconstruction's, against a turn.
 
     .venv/bin/python benchmarks/window_quality.py --threads 1
     .venv/bin/python benchmarks/window_quality.py --threads 1 --quick     # 6 recall + 3 quality conversations
     .venv/bin/python benchmarks/window_quality.py --threads 1 --recall 0  # the quality part only
+    .venv/bin/python benchmarks/window_quality.py --threads 1 --recall 0 --skip-multi-turn  # compression only
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +84,25 @@ from sessions.engine.batch import band_mask
 from sessions.engine.packed_attention import step_of
 from sessions.errors import ContextTooLong
 from sessions.sampling import SamplingParams
-from sessions.turn.window import FittedWindow, TurnWindow
+from sessions.turn.window import RECONSTRUCTION_INSTRUCTION, FittedWindow, TurnWindow
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
-POLICIES = ("turns", "attention", "agnostic")
+POLICIES = ("turns", "attention", "querylog", "kvzip")
+WINDOW_POLICY = {"turns": "turns", "attention": "attention", "querylog": "agnostic", "kvzip": "agnostic"}
+"""chatkv's `window_policy` each row runs: `querylog` and `kvzip` are both `agnostic` (eviction by
+scores fixed when turns commit), with the scores of the query log (the turn's own queries: chatkv's
+`agnostic` before issue 31's second pass) or of KVzip's context reconstruction (served since)."""
+
+
+@dataclass(frozen=True)
+class Commit:
+    """How a replay scores a committed turn: `querylog` (`QueryLog`, the turn's own queries) or
+    `kvzip` (`TurnWindow.reconstruction_scores` of the turn's ids after `prompt_ids`, as the runner)."""
+
+    scorer: str
+    prompt_ids: tuple[int, ...]
+
+
 FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 REPORTED = FRACTIONS
 FACTS = (
@@ -145,9 +165,10 @@ class Replayed:
     eviction_s: list[float]
     plain_s: list[float]
     turn_s: list[float]  # evicting turns: window step plus the prefill of the turn's ids and reply
-    commit_s: list[float]  # every turn: the `agnostic` commit-time scores from the logged queries
+    commit_s: list[float]  # every turn: the commit-time scores (query log, or the reconstruction)
     ttft_s: list[float]  # evicting turns: window step plus the prefill of the user ids (first token)
     snapshots: list[tuple[SessionCache, int]]  # (cache before turn i, its stream length), unbounded runs
+    every_s: list[float]  # every turn: window step plus the prefill of the turn's ids and reply
 
     @property
     def cache(self) -> SessionCache:
@@ -162,6 +183,7 @@ def replay(
     max_new: int,
     time_plain: bool = False,
     unbounded: Replayed | None = None,
+    commit: Commit | None = None,
 ) -> Replayed:
     """Feed the reference's turns with `window` fitted before each, as a chatkv turn does (an
     evicting `attention` turn continues the working buffer its window step prefilled). With the
@@ -175,7 +197,7 @@ def replay(
             if snapshot.total_tokens + len(user) + max_new > window.budget_tokens:
                 break
             cache, stream, first = snapshot, length, index
-    timings: tuple[list[float], ...] = ([], [], [], [], [], [])
+    timings: tuple[list[float], ...] = ([], [], [], [], [], [], [])
     snapshots: list[tuple[SessionCache, int]] = []
 
     def fit(cache: SessionCache, user: tuple[int, ...]) -> FittedWindow:
@@ -198,7 +220,8 @@ def replay(
         span = LayerSpan(LayerKind.TURN, index, len(fed), stream, fitted.cache.next_position)
         working = working_of(fitted, len(fed))
         plain = timings[2][-1] if time_plain and fitted.demoted_tokens else 0.0
-        with QueryLog(working) as log:  # every policy's cache carries `agnostic`'s commit-time scores
+        logged = commit is not None and commit.scorer == "querylog"
+        with QueryLog(working) if logged else nullcontext() as log:
             engine.prefill(working, user[fitted.prefilled_tokens :])
             first_token = time.perf_counter()
             if len(reply) > 1:
@@ -206,15 +229,21 @@ def replay(
         if fitted.demoted_tokens:
             timings[3].append(time.perf_counter() - started - plain)
             timings[5].append(first_token - started - plain)
+        timings[6].append(time.perf_counter() - started - plain)
         cache = fitted.cache.after_turn(working, fed, [span])
-        if cache.full_layers:
+        if commit is not None and cache.full_layers:
             committing = time.perf_counter()
-            cache = cache.with_scores(committed_scores(fitted.cache, cache, log.turn_scores()))
+            if isinstance(log, QueryLog):
+                fresh = log.turn_scores()
+            else:  # the runner's commit: the turn's ids reconstructed on top of the cache
+                fresh = tuple(fitting.reconstruction_scores(cache, fed, commit.prompt_ids))
+            cache = cache.with_scores(committed_scores(fitted.cache, cache, fresh))
             timings[4].append(time.perf_counter() - committing)
         stream += len(fed)
     snapshots.append((cache, stream))
-    scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s = timings
-    return Replayed(fit(cache, conv.final_user), scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s, snapshots)
+    scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s, every_s = timings
+    final = fit(cache, conv.final_user)
+    return Replayed(final, scoring_s, eviction_s, plain_s, turn_s, commit_s, ttft_s, snapshots, every_s)
 
 
 def working_of(fitted: FittedWindow, extra_tokens: int) -> WorkingCache:
@@ -269,13 +298,43 @@ def contains(reply: str, fact: str) -> bool:
     return squash(fact) in squash(reply)
 
 
+def commits(manager: Any) -> dict[str, Commit]:
+    """Each scored row's commit (`querylog`, `kvzip`), with the template's reconstruction prompt."""
+    prompt = tuple(manager.internals.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION))
+    return {"querylog": Commit("querylog", prompt), "kvzip": Commit("kvzip", prompt)}
+
+
+def unbounded_replays(
+    engine: Engine, base: BaseLayer, conv: Conversation, max_new: int, scoring: dict[str, Commit]
+) -> dict[str, Replayed]:
+    """The conversation replayed without a window, once per commit scorer (same KV, other scores)."""
+    return {name: replay(engine, base, conv, WindowPolicy(100_000), max_new, commit=c) for name, c in scoring.items()}
+
+
+def run_policy(
+    engine: Engine,
+    base: BaseLayer,
+    conv: Conversation,
+    policy: str,
+    window: WindowPolicy,
+    max_new: int,
+    unbounded: dict[str, Replayed],
+    scoring: dict[str, Commit],
+    time_plain: bool = False,
+) -> Replayed:
+    """`replay` of the row `policy` (`WINDOW_POLICY`), from the unbounded replay of its own scorer."""
+    start = unbounded.get(policy, unbounded["querylog"])
+    return replay(engine, base, conv, window, max_new, time_plain, start, scoring.get(policy))
+
+
 def run_recall(engine: Engine, manager: Any, tenant: Any, count: int, budget: int, recent: int) -> dict[str, Any]:
     hits = {"unbounded": 0, "replay_unbounded": 0, "replay_checked": 0, **dict.fromkeys(POLICIES, 0)}
+    scoring = commits(manager)
     timings: dict[str, list[float]] = {
         "scoring": [],
         "eviction": [],
         "plain": [],
-        "commit": [],
+        **{f"commit {p}": [] for p in scoring},
         **{p: [] for p in POLICIES},
     }
     sizes: dict[str, list[int]] = {p: [] for p in POLICIES}
@@ -288,19 +347,20 @@ def run_recall(engine: Engine, manager: Any, tenant: Any, count: int, budget: in
         found = contains(conv.final_text, fact)
         hits["unbounded"] += found
         line = [f"  recall {c}: fact {fact!r}, {conv.full_tokens} tokens; unbounded {found}"]
-        unbounded = replay(engine, base, conv, WindowPolicy(100_000), max_new)
+        unbounded = unbounded_replays(engine, base, conv, max_new, scoring)
+        for name, replayed in unbounded.items():
+            timings[f"commit {name}"] += replayed.commit_s
         if c < 5:  # the replay is faithful: same answers as chatkv's own unbounded turns
             hits["replay_checked"] += 1
-            hits["replay_unbounded"] += contains(final_reply(engine, unbounded.fitted, conv, max_new), fact)
+            hits["replay_unbounded"] += contains(final_reply(engine, unbounded["kvzip"].fitted, conv, max_new), fact)
         for policy in POLICIES:
-            window = WindowPolicy(budget, policy=policy, recent_tokens=recent)
-            replayed = replay(engine, base, conv, window, max_new, c < 6, unbounded)
+            window = WindowPolicy(budget, policy=WINDOW_POLICY[policy], recent_tokens=recent)
+            replayed = run_policy(engine, base, conv, policy, window, max_new, unbounded, scoring, c < 6)
             text = final_reply(engine, replayed.fitted, conv, max_new)
             found = contains(text, fact)
             hits[policy] += found
             sizes[policy].append(replayed.cache.total_tokens)
             timings[policy] += replayed.turn_s
-            timings["commit"] += replayed.commit_s
             if policy == "attention":
                 timings["scoring"] += replayed.scoring_s
                 timings["eviction"] += replayed.eviction_s
@@ -424,8 +484,17 @@ def masked_log_probs(
 
 
 def run_quality(
-    engine: Engine, manager: Any, tenant: Any, count: int, doc_paragraphs: int, turns: int, recent: int
+    engine: Engine,
+    manager: Any,
+    tenant: Any,
+    count: int,
+    doc_paragraphs: int,
+    turns: int,
+    recent: int,
+    multi_turn: bool = True,
 ) -> dict[str, Any]:
+    scoring = commits(manager)
+    costs: dict[str, list[float]] = {"commit querylog": [], "commit kvzip": [], "kvzip whole": [], "turn": []}
     points = {p: {f: {k: _cell() for k in KINDS} for f in FRACTIONS} for p in POLICIES}
     compressed = {r: {f: {k: _cell() for k in KINDS} for f in FRACTIONS} for r in COMPRESSED}
     ttft: dict[str, dict[float, list[float]]] = {p: {f: [] for f in FRACTIONS} for p in POLICIES}
@@ -443,9 +512,17 @@ def run_quality(
         base = shared_base(engine, conv.base_ids)
         full = conv.full_tokens + FINAL_TOKENS
         full_sizes.append(conv.full_tokens)
-        unbounded = replay(engine, base, conv, WindowPolicy(100_000), FINAL_TOKENS)
-        whole = unbounded.snapshots[-1][0]
+        unbounded = unbounded_replays(engine, base, conv, FINAL_TOKENS, scoring)
+        for name, replayed in unbounded.items():
+            costs[f"commit {name}"] += replayed.commit_s
+        costs["turn"] += unbounded["kvzip"].every_s
+        whole = unbounded["querylog"].snapshots[-1][0]
         unbounded_window = WindowPolicy(100_000)
+        reconstructing = time.perf_counter()
+        whole_kvzip = TurnWindow(engine, unbounded_window).reconstruction_scores(
+            whole, whole.own_token_ids, scoring["kvzip"].prompt_ids
+        )
+        costs["kvzip whole"].append(time.perf_counter() - reconstructing)
         refs = {
             k: forced_log_probs(engine, fit_final(engine, unbounded_window, whole, convs[k].final_user), *_qa(convs[k]))
             for k in KINDS
@@ -453,16 +530,17 @@ def run_quality(
         line = [f"  quality {c}: {conv.full_tokens} tokens (document {len(conv.turns[0][0])})"]
         # (a) multi-turn: the history replayed under each policy, every turn fitted (chatkv refuses a
         # turn whose own prompt does not fit the budget, so budgets below the document are skipped)
-        for policy in POLICIES:
+        for policy in POLICIES if multi_turn else ():
             for fraction in FRACTIONS:
                 budget = int(full * fraction)
                 if len(conv.base_ids) + len(conv.turns[0][0]) + REPLY_TOKENS > budget:
                     impossible[policy][fraction] += 1
                     continue
-                measured = _measure_policy(engine, base, conv, convs, unbounded, policy, budget, recent)
+                args = (engine, base, conv, convs, unbounded, scoring, policy, budget)
+                measured = _measure_policy(*args, recent)
                 if measured is None:
                     refused[policy][fraction] += 1
-                    measured = _measure_policy(engine, base, conv, convs, unbounded, policy, budget, 0)
+                    measured = _measure_policy(*args, 0)
                     if measured is None:
                         impossible[policy][fraction] += 1
                         continue
@@ -481,7 +559,9 @@ def run_quality(
             user, reply = _qa(convs[k])
             scores = {
                 "attention": TurnWindow(engine, unbounded_window).score(whole, user),
-                "agnostic": stored_scores(whole),
+                "querylog": stored_scores(whole),
+                "kvzip": stored_scores(unbounded["kvzip"].snapshots[-1][0]),
+                "kvzip whole": whole_kvzip,
             }
             for fraction in FRACTIONS:
                 budget = int(full * fraction)
@@ -517,6 +597,7 @@ def run_quality(
             r: {f: {k: _mean_cell(compressed[r][f][k]) for k in KINDS} for f in FRACTIONS} for r in COMPRESSED
         },
         "ttft": ttft,
+        "costs": costs,
         "mask_check_max_abs_logp": checks,
         "mean_full_tokens": sum(full_sizes) / len(full_sizes),
         "refused": refused,
@@ -524,7 +605,7 @@ def run_quality(
     }
 
 
-SCORERS = ("attention", "agnostic")
+SCORERS = ("attention", "querylog", "kvzip", "kvzip whole")
 COMPRESSED = ("turns", *(f"{s} {a}" for s in SCORERS for a in ALLOCATIONS))
 """Rows of the final-turn compression: `turns`' window step, each lossy score by each allocation."""
 
@@ -542,16 +623,17 @@ def _measure_policy(
     base: BaseLayer,
     conv: Conversation,
     convs: dict[str, Conversation],
-    unbounded: Replayed,
+    unbounded: dict[str, Replayed],
+    scoring: dict[str, Commit],
     policy: str,
     budget: int,
     recent: int,
 ) -> tuple[Replayed, dict[str, tuple[int, torch.Tensor]]] | None:
     """The history replayed under `policy`, then each kind's last turn fitted and teacher-forced:
     (replay, {kind: (cache tokens at the question, log-probs)}), or `None` if chatkv refuses a turn."""
-    window = WindowPolicy(budget, policy=policy, recent_tokens=recent)
+    window = WindowPolicy(budget, policy=WINDOW_POLICY[policy], recent_tokens=recent)
     try:
-        replayed = replay(engine, base, conv, window, FINAL_TOKENS, unbounded=unbounded)
+        replayed = run_policy(engine, base, conv, policy, window, FINAL_TOKENS, unbounded, scoring)
         out = {}
         for k in KINDS:
             fitted = (
@@ -584,6 +666,9 @@ def main() -> None:
     parser.add_argument("--doc-paragraphs", type=int, default=4, help="paragraphs of the first turn's document")
     parser.add_argument("--turns", type=int, default=4, help="one-paragraph turns after the document")
     parser.add_argument("--recent", type=int, default=32, help="window_recent_tokens of the lossy policies")
+    parser.add_argument(
+        "--skip-multi-turn", action="store_true", help="quality: only the final-turn compression (no replay per budget)"
+    )
     args = parser.parse_args()
     recall_count = args.recall if args.recall is not None else (6 if args.quick else 30)
     quality_count = args.conversations or (3 if args.quick else 6)
@@ -591,7 +676,8 @@ def main() -> None:
         parser.error(f"--doc-paragraphs plus --turns must be at most {len(PARAGRAPHS)}, each at least 1")
     engine = setup(args)
     print_header(
-        "window_quality: window_policy turns vs attention (SnapKV-style) vs agnostic (commit-time scores)",
+        "window_quality: window_policy turns vs attention (SnapKV-style) vs agnostic (commit-time scores: "
+        "query log or KVzip reconstruction)",
         engine,
         [
             f"recall: {recall_count} conversations, budget {args.recall_budget} tokens; quality: {quality_count} "
@@ -610,7 +696,16 @@ def main() -> None:
     ):
         tenant = manager.create_tenant("bench")
         recall = run_recall(engine, manager, tenant, recall_count, args.recall_budget, args.recent)
-        quality = run_quality(engine, manager, tenant, quality_count, args.doc_paragraphs, args.turns, args.recent)
+        quality = run_quality(
+            engine,
+            manager,
+            tenant,
+            quality_count,
+            args.doc_paragraphs,
+            args.turns,
+            args.recent,
+            not args.skip_multi_turn,
+        )
     if recall_count:
         print_recall(recall, args.recall_budget)
     print_quality(quality, quality_count)
@@ -664,7 +759,9 @@ def print_quality(quality: dict[str, Any], count: int) -> None:
     )
     print(
         "the unbounded cache compressed once when the last question arrives (SCBench's setting): turns by chatkv's "
-        "window step; attention (the question's observation window) and agnostic (commit-time) scores with the kept "
+        "window step; attention (the question's observation window), querylog (commit-time, the turns' own queries), "
+        "kvzip (commit-time, each turn's ids reconstructed when it commits: as served) and kvzip whole (one "
+        "reconstruction of the whole context at the end, KVzip's own setting) scores with the kept "
         "total spent uniform (as served), per_head (Ada-KV) or per_layer (PyramidKV), as masks; tok: mean tokens "
         "held when the question starts; KL(reference || policy) in nats per position of the 24-token reply"
     )
@@ -714,6 +811,17 @@ def print_quality(quality: dict[str, Any], count: int) -> None:
         ["budget", *POLICIES],
         rows,
     )
+    costs = quality["costs"]
+    if costs["turn"]:
+        turn = _mean(costs["turn"])
+        print(
+            f"commit-time scoring, unbounded replays: a turn (prefill of its user ids and reply) {turn * 1000:.1f} ms; "
+            f"KVzip reconstruction of the turn {_mean(costs['commit kvzip']) * 1000:.1f} ms "
+            f"({_mean(costs['commit kvzip']) / turn:.2f}x), query log {_mean(costs['commit querylog']) * 1000:.1f} ms "
+            f"({_mean(costs['commit querylog']) / turn:.2f}x); one reconstruction of the whole context "
+            f"{_mean(costs['kvzip whole']) * 1000:.0f} ms "
+            f"({len(costs['turn'])} turns, {len(costs['kvzip whole'])} contexts)"
+        )
     checks = quality["mask_check_max_abs_logp"]
     if checks:
         print(
@@ -746,12 +854,14 @@ def print_cost(recall: dict[str, Any]) -> None:
             f"attention's observed prefill {_mean(t['scoring']) * 1000:.1f} ms, gather + carry "
             f"{_mean(t['eviction']) * 1000:.1f} ms; a plain prefill of the user ids on the full cache "
             + ("-" if plain is None else f"{plain * 1000:.1f} ms ({len(t['plain'])} turns)")
-            + f"; agnostic's commit-time scores {_mean(t['commit']) * 1000:.1f} ms per turn (after the reply)"
+            + "; commit-time scores per turn (after the reply): query log "
+            f"{_mean(t['commit querylog']) * 1000:.1f} ms, "
+            f"KVzip reconstruction {_mean(t['commit kvzip']) * 1000:.1f} ms"
         )
         print(
             "a turn here: the window step and the prefill of the turn's user ids and its (teacher-forced) reply; "
-            "an attention turn prefills its ids once, on the full cache, then evicts (SnapKV-style); an agnostic "
-            "turn only gathers by its stored scores"
+            "an attention turn prefills its ids once, on the full cache, then evicts (SnapKV-style); a querylog "
+            "or kvzip turn (window_policy agnostic) only gathers by its stored scores"
         )
 
 

@@ -19,7 +19,10 @@ is computed here against the cached keys, for `window_tokens` queries per model 
     scores                            | sum over W, over each KV group's query heads; max-pooled       |
 
 The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill and reply, the last
-1,024 per model layer) and scores the whole buffer when the turn commits (KVzip-style max, below).
+1,024 per model layer) and scores the whole buffer when the turn commits: an approximation of KVzip
+(Kim et al., NeurIPS 2025), whose own score, `ReconstructionScores` (the most attention any query of
+a prompt that repeats the context pays each KV pair; `sessions.turn.window.TurnWindow.
+reconstruction_scores` runs that prefill), is measured in `benchmarks/window_quality.py`, not served.
 """
 
 from __future__ import annotations
@@ -140,7 +143,10 @@ class QueryLog(ObservationWindow):
     extra pass: the queries the conversation itself ran (each turn's prompt and reply) stand in for
     the reconstruction's, and a pair's score is the most attention any of them paid it (KVzip's max
     over queries and the query heads of a KV group), accumulated as turns commit
-    (`cache.token_eviction.committed_scores`).
+    (`cache.token_eviction.committed_scores`). Measured against the reconstruction itself
+    (`ReconstructionScores`, `benchmarks/window_quality.py`): no worse with the served uniform
+    budgets (better at 25-50% of the context), at a ninth of its cost; the reconstruction wins only
+    with per-head (Ada-KV) budgets, which are not served.
 
     Attach to the turn's working cache before it is submitted (`with` block), `turn_scores` after
     it finished. At most
@@ -199,6 +205,11 @@ class QueryLog(ObservationWindow):
 def _max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """`query [1, heads, w, d]` (the last `w` slots of `keys [1, kv_heads, t, d]`) -> `[kv_heads, t]`
     float32 on the CPU: each slot's largest attention weight over the queries and grouped heads."""
+    return _max_attention_on_device(query, keys, scaling).to("cpu")
+
+
+def _max_attention_on_device(query: torch.Tensor, keys: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """`_max_attention`, left on the keys' device."""
     heads, window, head_dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, total = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
@@ -213,4 +224,70 @@ def _max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float | Non
         visible = torch.arange(total, device=keys.device)[None, :] <= rows[:, None]  # [n, t]
         logits = logits.view(kv_heads, groups, n, total).masked_fill(~visible, float("-inf"))
         best = torch.maximum(best, logits.softmax(dim=-1).amax(dim=(1, 2)))
-    return best.to("cpu")
+    return best
+
+
+class ReconstructionScores:
+    """KVzip's importance of cached KV pairs (Kim et al., "KVzip: Query-Agnostic KV Cache Compression
+    with Context Reconstruction", NeurIPS 2025): while a prompt that makes the model repeat its
+    context is prefilled on top of the cache, each cached pair's score is the largest attention
+    weight any of the prompt's queries gives it, over the query heads sharing its KV head (GQA).
+    A pair the model never needs to reproduce its context is one no later question needs either,
+    so the score does not depend on what is asked next.
+
+    Attach to the working cache the reconstruction prefill runs on (`with` block): every
+    full-attention model layer gets a query observer that scores the `cached_tokens` first slots
+    as each prefill chunk runs (keys already hold the chunk; causal), so no query is stored. A
+    sliding-window layer is never scored (eviction never touches its window). The observers run on
+    the engine loop's thread; read `scores` once the prefill returned.
+
+    Args:
+        working: the buffer of the reconstruction (a copy of the cache: its extra slots are dropped).
+        cached_tokens: slots to score, from the first (base included).
+
+    Raises:
+        ValueError: if `cached_tokens` is negative.
+    """
+
+    def __init__(self, working: WorkingCache, cached_tokens: int) -> None:
+        if cached_tokens < 0:
+            raise ValueError(f"cached_tokens must be >= 0, got {cached_tokens}")
+        self.cached_tokens = cached_tokens
+        self._layers: list[PreallocatedLayer] = working.prealloc_layers
+        self._best: list[torch.Tensor | None] = [None] * len(self._layers)
+
+    def __enter__(self) -> Self:
+        for index, layer in enumerate(self._layers):
+            if layer.window is None:
+                layer.query_observer = self._observer(index)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self._layers:
+            layer.query_observer = None
+
+    def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
+        layer = self._layers[index]
+
+        def score(query: torch.Tensor, scaling: float | None) -> None:
+            fresh = _max_attention_on_device(query, layer.filled_keys, scaling)[:, : self.cached_tokens]
+            best = self._best[index]
+            self._best[index] = fresh if best is None else torch.maximum(best, fresh)
+
+        return score
+
+    def scores(self) -> torch.Tensor:
+        """`[full_model_layers, kv_heads, cached_tokens]` float32 on the CPU, in `[0, 1]`.
+
+        Raises:
+            RuntimeError: if a full-attention model layer saw no query (the prefill did not run).
+        """
+        out = []
+        for index, layer in enumerate(self._layers):
+            if layer.window is not None:
+                continue
+            best = self._best[index]
+            if best is None:
+                raise RuntimeError(f"bug: model layer {index} scored nothing")
+            out.append(best.to("cpu"))
+        return torch.stack(out)

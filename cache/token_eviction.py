@@ -21,8 +21,8 @@ model layer; both need ragged tensors, so they are measured as masks over the fu
     kept                  | t0          | t1: top k1    | t2: top k2    | t3          |
 
 The `agnostic` policy evicts the same way by scores fixed when the earlier turns committed
-(`committed_scores`, `stored_scores`; KVzip's question-agnostic scoring approximated from the
-conversation's own queries: `cache.attention_scores.QueryLog`).
+(`committed_scores`, `stored_scores`; KVzip's question-agnostic scoring, Kim et al., NeurIPS 2025,
+approximated from the conversation's own queries: `cache.attention_scores.QueryLog`).
 
 Kept keys keep their RoPE positions (no re-rotation): they were rotated at the position they had
 when computed, so each one's distance to a new query, whose position continues from
@@ -246,9 +246,11 @@ def committed_scores(
     before: SessionCache, after: SessionCache, fresh: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
     """`after.own_scores` once a turn turned `before` into `after`: per full layer, the most attention
-    each held own token got from the turn's queries (`fresh[row]`, `[kv_heads, buffer slots]`, the
-    own tokens last: `QueryLog.turn_scores`), and, for `before`'s own tokens (the first ones of
-    `after`), the larger of that and their scores from earlier turns.
+    each held own token got from the turn's scoring queries (`fresh[row]`, `[kv_heads, buffer
+    slots]`, the own tokens last: the turn's own queries, `QueryLog.turn_scores`, or, measured in
+    `benchmarks/window_quality.py`, the reconstruction of the turn's ids, `ReconstructionScores`),
+    and, for `before`'s own tokens (the first ones of `after`), the larger of that and their scores
+    from earlier turns (KVzip's max over every query, taken one committed turn at a time).
 
     Raises:
         ValueError: if a `fresh` row is shorter than the layer's held own tokens.

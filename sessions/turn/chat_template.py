@@ -160,6 +160,21 @@ class ChatTemplate:
         encoded = self._encode_many([text for turn in history for text in turn])
         return [(encoded[2 * i], (*encoded[2 * i + 1], *self._reply_end)) for i in range(len(history))]
 
+    def reconstruction_prompt_ids(self, instruction: str) -> tuple[int, ...]:
+        """Ids that follow a reply's content to ask the model to repeat the context: the reply's
+        closing, a user turn with `instruction`, the generation prompt (KVzip's reconstruction
+        prompt, Kim et al., 2025: the context's ids are fed after it)."""
+        probe = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_REPLY},
+            {"role": "user", "content": instruction},
+        ]
+        full = self._render(probe, True)
+        end = full.find(_PROBE_REPLY)
+        if end < 0:
+            raise TemplateDivergence("the probe reply is not rendered verbatim")
+        return self._encode(full[end + len(_PROBE_REPLY) :])
+
     def system_prefix_ids(self, system_prompt: str | None) -> tuple[int, ...]:
         """Ids of the shareable prefix (the system-prompt rendering) of any conversation with this
         system prompt; empty if the template has none that stays fixed."""

@@ -19,9 +19,14 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
       working (kept)   | base | own, kept per head | turn ids but the last | last id, reply ...
 
 - `agnostic` (lossy, question-agnostic): evicts like `attention`, but by scores fixed when the
-  previous turns committed (`SessionCache.own_scores`: the most attention each token received
-  from any query of the turns after it, `cache.attention_scores.QueryLog`, logged by the runner),
-  so the kept set does not depend on the next question and the window step prefills nothing.
+  previous turns committed (`SessionCache.own_scores`), so the kept set does not depend on the
+  next question and the window step prefills nothing: the most attention each token received
+  from any query of the turns after it (`cache.attention_scores.QueryLog`, logged by the
+  runner), an approximation of KVzip's reconstruction scores (Kim et al., NeurIPS 2025).
+  `reconstruction_scores` computes KVzip's own (the model repeats the context on a copy of the
+  cache); `benchmarks/window_quality.py` measures them: they beat the approximation only with
+  per-head budgets (Ada-KV), which the rectangular session cache does not hold, so they are not
+  served.
 
 Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer
 holds its window and no more (never scored past it); a model without full-attention layers demotes
@@ -49,7 +54,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cache.attention_scores import ObservationWindow, QueryLog
+from cache.attention_scores import ObservationWindow, QueryLog, ReconstructionScores
 from cache.session_cache import LayerSpan, SessionCache, span_offsets
 from cache.token_eviction import carry_prefill, committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
@@ -59,6 +64,12 @@ from sessions.engine.request import KVAccountant
 from sessions.errors import ContextTooLong
 
 log = logging.getLogger(__name__)
+
+RECONSTRUCTION_INSTRUCTION = "Repeat the previous context exactly."
+"""The user turn of KVzip's reconstruction prompt (Kim et al., 2025, whose prompt asks the same)."""
+RECONSTRUCTION_CHUNK_TOKENS = 2048
+"""Context ids reconstructed per prefill (KVzip's chunk: about 2K); a chunk's buffer holds the cache,
+the prompt and the chunk."""
 
 
 @dataclass(frozen=True)
@@ -350,6 +361,54 @@ class TurnWindow:
                 self.engine.prefill(working, prefill)
             del working
             return observed.scores(cache.total_tokens)
+
+    def reconstruction_scores(
+        self,
+        cache: SessionCache,
+        context_ids: Sequence[int],
+        prompt_ids: Sequence[int],
+        chunk_tokens: int = RECONSTRUCTION_CHUNK_TOKENS,
+    ) -> torch.Tensor:
+        """KVzip's question-agnostic scores of every cached token (Kim et al., "KVzip: Query-Agnostic
+        KV Cache Compression with Context Reconstruction", NeurIPS 2025): the model is made to
+        repeat `context_ids` on top of `cache`, and each cached KV pair scores the most attention
+        any reconstruction query of the KV group's query heads paid it (`ReconstructionScores`).
+
+            buffer (a copy)   | base | own ........................ | prompt | chunk of context_ids |
+            scored            | every cached slot <----------------- max over these queries -----|
+
+        Each chunk of `chunk_tokens` ids is prefilled after the prompt on its own copy of the cache
+        (as KVzip chunks its reconstruction), and a pair keeps its best score over the chunks. The
+        copies, the reconstruction's KV among them, are dropped: nothing enters the session cache.
+        Each copy's buffer is reserved against the device budget while it lives.
+
+        Args:
+            cache: the cache to score (positions of the reconstruction continue after it).
+            context_ids: what the model repeats (a turn's ids, or the whole held context's).
+            prompt_ids: `ChatTemplate.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION)`.
+            chunk_tokens: context ids per prefill.
+
+        Returns:
+            `[full_model_layers, kv_heads, cache.total_tokens]` float32 on the CPU, in `[0, 1]`
+            (sliding-window layers are not scored).
+
+        Raises:
+            ValueError: if `context_ids` is empty or `chunk_tokens < 1`.
+        """
+        if not context_ids or chunk_tokens < 1:
+            raise ValueError(f"need context ids and chunk_tokens >= 1, got {len(context_ids)} ids, {chunk_tokens}")
+        chunks = range(0, len(context_ids), chunk_tokens)
+        scored = [self._reconstruct(cache, [*prompt_ids, *context_ids[i : i + chunk_tokens]]) for i in chunks]
+        return torch.stack(scored).amax(dim=0)
+
+    def _reconstruct(self, cache: SessionCache, ids: Sequence[int]) -> torch.Tensor:
+        """One chunk of `reconstruction_scores`, on a copy of `cache` that is dropped after."""
+        with self.device_buffer(cache.total_tokens + len(ids)):
+            working = cache.to_working_cache(len(ids))
+            with ReconstructionScores(working, cache.total_tokens) as observed:
+                self.engine.prefill(working, ids)
+            del working
+        return observed.scores()
 
     def demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
         """Drop whole layers: re-rotate the kept keys, or re-prefill the kept layers (evicted
