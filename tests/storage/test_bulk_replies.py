@@ -8,19 +8,32 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import pytest
 import redis
 import torch
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from storage.bulk_replies import MAX_BULK_BYTES, BulkReader, ReplyBuffers
-from storage.chunked_blobs import MAPPED_PAYLOAD_BYTES, open_chunked, payload_buffer, seal_chunked, split_frame
+from storage.chunked_blobs import (
+    HEADER_BYTES,
+    MAPPED_PAYLOAD_BYTES,
+    ChunkedHeader,
+    open_chunked,
+    payload_buffer,
+    seal_chunked,
+    split_frame,
+)
 from storage.metadata_store import MetadataStore
 from storage.redis_store import RedisUnavailable, _bulk_reader, connect_redis
+from tests.redis_servers import SilencingProxy
 from tests.storage.conftest import S1, S2, Key
 from tests.storage.test_redis_chunks import DATA_KEY, aad, chunk_keys, frame, make_store, opened
 
@@ -173,6 +186,39 @@ def test_the_store_hands_chunks_as_views_valid_until_the_next(
         assert store.get(S1) == blob and opened(store, S1) == payload  # get copies every piece
     finally:
         client.close()
+
+
+def test_chunks_are_read_from_the_socket_a_health_check_reconnected_to(
+    rows: MetadataStore, redis_url: str, redis_prefix: str
+) -> None:
+    """A client made with `health_check_interval` PINGs a pooled connection idle that long before
+    its next command, and reconnects if the PING goes unanswered: the chunk reader must read
+    from the new socket, not the dead one the pool handed out (it took that one before the first
+    send, and the read failed as if Redis were down)."""
+    target = urlparse(redis_url)
+    with SilencingProxy(target.hostname or "127.0.0.1", target.port or 6379) as proxy:
+        client = redis.Redis.from_url(
+            proxy.url,
+            socket_timeout=0.3,
+            socket_connect_timeout=0.3,
+            retry=Retry(NoBackoff(), 1),
+            health_check_interval=0.05,
+        )
+        try:
+            store = make_store(client, rows, redis_prefix)
+            payload, blob = frame(S1)
+            store.put(S1, blob)
+            pieces = store.read(S1)
+            next(pieces)  # the manifest: read on the one pooled connection, which the chunks reuse
+            assert proxy.silence() == 1  # that connection is now dead without a word
+            time.sleep(0.1)  # past the health check interval: the first chunk GET's send PINGs
+            head = ChunkedHeader.parse(blob)
+            chunks = [bytes(piece) for piece in pieces]
+            assert len(chunks) == head.chunk_count
+            opened_payload = open_chunked(DATA_KEY, blob[:HEADER_BYTES], chunks, [aad(S1)], max_payload_bytes=len(blob))
+            assert opened_payload == payload
+        finally:
+            client.close()
 
 
 def test_a_chunk_key_holding_another_type_fails_the_read_as_redis_does(
