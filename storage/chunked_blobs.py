@@ -62,6 +62,8 @@ _HEADER_NONCE = b"\xff" * NONCE_BYTES
 MAPPED_PAYLOAD_BYTES = 2 * 1024 * 1024
 """A payload at least this long is decrypted into a memory mapping of its own (`payload_buffer`)."""
 _KDF_INFO = b"chatkv-chunked-blob"
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Linux only; elsewhere the pages are faulted in as they are first written."""
 
 
 def is_chunked(blob: bytes | memoryview) -> bool:
@@ -248,20 +250,25 @@ def open_header(
 def payload_buffer(nbytes: int) -> bytearray | mmap.mmap:
     """A zeroed, writable buffer of `nbytes` bytes that a payload is decrypted into and its tensors
     then view (`storage.codec.decode`): from `MAPPED_PAYLOAD_BYTES` on, private anonymous memory
-    (`mmap`), else a `bytearray`.
+    (`mmap`) whose pages are all in place when it is returned (`MAP_POPULATE`, on Linux), else a
+    `bytearray`.
 
     Why: the buffer is new memory every time (the restored cache keeps it), and faulting it in
     cost as much as receiving and decrypting it (a 186 MB payload: 290 of a 660 ms Redis restore
     at load 5.5, issue 32). A `bytearray` is zeroed by the kernel on each fault and then once more
-    by CPython; a fresh mapping only by the kernel. Not advised for transparent huge pages: they
-    cut the faults 4x for back-to-back restores, but on a VM that hands freed 2 MiB blocks back to
-    its host (free page reporting) a restore seconds after the last took 0.8-2.3 s instead of
-    0.3-0.6 s (benchmarks/README.md, `redis_restore.py`, 2026-12-03).
+    by CPython; a fresh mapping only by the kernel. Populated at `mmap` the kernel allocates and
+    zeroes the pages in one call instead of taking one fault per 4 KiB page as the decryption
+    first writes it: 1.1-1.5 against 1.7-2.1 us a page, 20-30 ms less decrypting a 186 MB payload,
+    though only 0-10% off a Redis restore on a quiet machine, whose reads then wait longer for
+    Redis (benchmarks/README.md, `redis_restore.py`, 2026-12-04). Not advised for
+    transparent huge pages: they cut the faults 4x for back-to-back restores, but on a VM that
+    hands freed 2 MiB blocks back to its host (free page reporting) a restore seconds after the
+    last took 0.8-2.3 s instead of 0.3-0.6 s (benchmarks/README.md, `redis_restore.py`, 2026-12-03).
     """
     if nbytes < MAPPED_PAYLOAD_BYTES:
         return bytearray(nbytes)
     # Private: a shared anonymous mapping is shmem, whose pages the process does not own alone.
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
 
 
 def open_chunked(
