@@ -66,7 +66,7 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 """Linux only; elsewhere the pages are faulted in as they are first written."""
 
 
-def is_chunked(blob: bytes | memoryview) -> bool:
+def is_chunked(blob: bytes | bytearray | memoryview) -> bool:
     """Whether `blob` starts like a chunked frame of any version (else it is a whole blob of
     `storage.keyring.seal`, written before chunking, or not a sealed blob at all)."""
     return bytes(blob[: len(_MAGIC_FAMILY)]) == _MAGIC_FAMILY
@@ -107,7 +107,7 @@ class ChunkedHeader:
         return cls(os.urandom(BLOB_ID_BYTES), count, chunk_bytes, payload_bytes)
 
     @classmethod
-    def parse(cls, data: bytes | memoryview) -> ChunkedHeader:
+    def parse(cls, data: bytes | bytearray | memoryview) -> ChunkedHeader:
         """The header at the start of `data` (not authenticated: see `authenticate`).
 
         Raises:
@@ -191,25 +191,37 @@ def _nonce(index: int) -> bytes:
     return index.to_bytes(NONCE_BYTES, "big")
 
 
-def seal_chunked(data_key: bytes, payload: bytes, blob_aad: bytes, chunk_bytes: int = CHUNK_BYTES) -> bytes:
+def seal_chunked(data_key: bytes, payload: bytes, blob_aad: bytes, chunk_bytes: int = CHUNK_BYTES) -> bytearray:
     """The frame of `payload` sealed in chunks of `chunk_bytes` under `data_key`, bound to `blob_aad`.
+
+    Each chunk is encrypted straight into its place in the frame (`encrypt_into`): encrypting
+    each into a `bytes` of its own and joining them wrote the frame twice, into fresh memory both
+    times (186 MB: 147 against 74 ms, issue 32).
 
     Raises:
         ValueError: `chunk_bytes` out of 1..MAX_CHUNK_BYTES.
     """
     header = ChunkedHeader.new(len(payload), chunk_bytes)
-    cipher, view = header.cipher(data_key), memoryview(payload)
+    cipher, plain = header.cipher(data_key), memoryview(payload)
     header = header.signed(cipher, blob_aad)
-    pieces = [header.to_bytes()]
+    frame = bytearray(header.frame_bytes)
+    out = memoryview(frame)
+    out[:HEADER_BYTES] = header.to_bytes()
+    offset = HEADER_BYTES
     for index in range(header.chunk_count):
-        start = index * chunk_bytes
-        pieces.append(
-            cipher.encrypt(_nonce(index), view[start : start + chunk_bytes], header.chunk_aad(blob_aad, index))
+        start, sealed = index * chunk_bytes, header.sealed_bytes(index)
+        cipher.encrypt_into(
+            _nonce(index),
+            plain[start : start + header.plain_bytes(index)],
+            header.chunk_aad(blob_aad, index),
+            out[offset : offset + sealed],
         )
-    return b"".join(pieces)
+        offset += sealed
+    out.release()  # a bytearray with a view open cannot be resized: leave none
+    return frame
 
 
-def split_frame(frame: bytes | memoryview) -> tuple[memoryview, list[memoryview]]:
+def split_frame(frame: bytes | bytearray | memoryview) -> tuple[memoryview, list[memoryview]]:
     """The header and the sealed chunks of a whole frame, as views (no copy).
 
     Raises:

@@ -255,7 +255,7 @@ class RedisBlobStore(Generic[K]):
         """`<prefix>:<fingerprint[:16]>:<tenant id>:{<name>}`. Raises `ValueError` for an unsafe part."""
         return f"{self._namespace}:{_check_name(key.tenant_id)}:{{{_check_name(key.name)}}}"
 
-    def put(self, key: K, blob: bytes) -> None:
+    def put(self, key: K, blob: bytes | bytearray) -> None:
         """Store `blob` under `key` with the TTL (a chunked blob as its chunks and manifest, anything
         else as one value), delete the chunks of the value it replaced, record its row, then hold
         the byte budget.
@@ -268,8 +268,10 @@ class RedisBlobStore(Generic[K]):
             ValueError: `blob` starts like a chunked blob but is not one (a caller's bug).
         """
         redis_key = self.redis_key(key)
-        manifest, chunks = blob, []
-        if is_chunked(blob):
+        chunks: list[tuple[str, memoryview]] = []
+        if not is_chunked(blob):
+            manifest = bytes(blob)  # a blob sealed whole (before chunking): redis-py refuses a `bytearray`
+        else:
             try:
                 head, sealed = split_frame(blob)
             except AuthenticationFailed as exc:
@@ -294,7 +296,10 @@ class RedisBlobStore(Generic[K]):
             tier=LOCATION,
             path=redis_key,
             nbytes=len(blob),
-            checksum=hashlib.sha256(blob).hexdigest(),
+            # The manifest names this write's chunks alone (a random blob id, a tag over the sizes),
+            # so its digest tells this write from any other as the whole blob's did (the row is
+            # deleted only if it still records the write read), without a pass over 100s of MB.
+            checksum=hashlib.sha256(manifest).hexdigest(),
             model_fingerprint=self._fingerprint,
             location=LOCATION,
         )
