@@ -37,6 +37,7 @@ import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -270,9 +271,10 @@ def payload_buffer(nbytes: int) -> bytearray | mmap.mmap:
     at load 5.5, issue 32). A `bytearray` is zeroed by the kernel on each fault and then once more
     by CPython; a fresh mapping only by the kernel. Populated at `mmap` the kernel allocates and
     zeroes the pages in one call instead of taking one fault per 4 KiB page as the decryption
-    first writes it: 1.1-1.5 against 1.7-2.1 us a page, 20-30 ms less decrypting a 186 MB payload,
-    though only 0-10% off a Redis restore on a quiet machine, whose reads then wait longer for
-    Redis (benchmarks/README.md, `redis_restore.py`, 2026-12-04). Not advised for
+    first writes it: 1.1-1.5 against 1.7-2.1 us a page; a Redis restore of 92 / 186 MB took 8 / 5%
+    less time and 8 / 15% less CPU (30 restores each, interleaved, load 3.6-4.1; runs of 15 at
+    load 5 went either way: the reads then wait longer for Redis on a 2-core VM; benchmarks/README.md,
+    `redis_restore.py`, 2026-12-04). Not advised for
     transparent huge pages: they cut the faults 4x for back-to-back restores, but on a VM that
     hands freed 2 MiB blocks back to its host (free page reporting) a restore seconds after the
     last took 0.8-2.3 s instead of 0.3-0.6 s (benchmarks/README.md, `redis_restore.py`, 2026-12-03).
@@ -305,9 +307,13 @@ def open_chunked(
             another write, out of its place); fewer or more chunks than the header says.
     """
     header, cipher, blob_aad = open_header(data_key, head, blob_aads, max_payload_bytes=max_payload_bytes)
+    pending = iter(chunks)
+    first = next(pending, None)
+    # Made once the first chunk is asked for, not before: populating its pages takes tens of
+    # milliseconds, in which Redis already sends the next chunks instead of waiting for the ask.
     payload = payload_buffer(header.payload_bytes)
     view, count = memoryview(payload), 0
-    for index, sealed in enumerate(chunks):
+    for index, sealed in enumerate(chain([first], pending) if first is not None else ()):
         if index >= header.chunk_count:
             raise AuthenticationFailed(f"more chunks than the {header.chunk_count} its header says")
         if len(sealed) != header.sealed_bytes(index):
