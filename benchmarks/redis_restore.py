@@ -25,7 +25,10 @@ Each with redis-py's pure-Python reply parser and with hiredis (a C extension re
 it is installed; `--parsers`; chunks bypass it since issue 32, so it matters for the manifest and
 the rows before issue 32). Beside each: "read only" (the store's pieces as it reads them,
 nothing opened or joined) and "open only" (the sealer on the whole blob already in memory), so the
-two costs can be told apart. MB/s = sealed blob bytes / seconds.
+two costs can be told apart. The write path, beside them: "seal" (the sealer making the variant's
+blob from the device cache: encode and encrypt) and "write" (`RedisBlobStore.put` of that blob:
+every chunk and the manifest in one pipeline, the replaced blob's chunks deleted, its row), each
+write a newly sealed blob as a write-back makes. MB/s = sealed blob bytes / seconds.
 
     .venv/bin/python benchmarks/redis_restore.py --threads 1
     .venv/bin/python benchmarks/redis_restore.py --quick   # 1,000 / 2,000 tokens, 3 repeats
@@ -121,14 +124,24 @@ def time_variant(
     """Store the session's blob sealed as `variant` says, then time its restore, read and open."""
     name, chunk_bytes, streamed = variant
     sealer, shared = manager.internals.sealer, SharedBlobStore(store)
-    if chunk_bytes is None:
-        blob = whole_blob(
-            manager.internals.engine.fingerprint, manager.internals.keys.data_key(key.tenant_id), key, cache
-        )
-    else:
+    data_key = manager.internals.keys.data_key(key.tenant_id)
+    if chunk_bytes is not None:
         sealer.chunk_bytes = chunk_bytes
-        blob = sealer.seal_session(key, cache)
-    store.put(key, blob)
+
+    def sealed() -> bytes | bytearray:
+        if chunk_bytes is None:
+            return whole_blob(manager.internals.engine.fingerprint, data_key, key, cache)
+        return sealer.seal_session(key, cache)
+
+    # Each write a new blob (a new blob id) replacing the last, as a write-back or hand-over does.
+    seal_s, write_s = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        blob = sealed()
+        sealed_at = time.perf_counter()
+        store.put(key, blob)  # the chunks and manifest in one pipeline, the old chunks deleted, the row
+        seal_s.append(sealed_at - started)
+        write_s.append(time.perf_counter() - sealed_at)
 
     def restore() -> SessionCache:
         return sealer.open_session(key, shared.read(key) if streamed else store.get(key))
@@ -146,6 +159,10 @@ def time_variant(
         "restore_mb_s_best": mb / min(restore_s),
         "read_mb_s_median": mb / median(read_s),
         "open_mb_s_median": mb / median(open_s),
+        "seal_s": seal_s,
+        "write_s": write_s,
+        "seal_mb_s_median": mb / median(seal_s),
+        "write_mb_s_median": mb / median(write_s),
     }
 
 
@@ -195,8 +212,11 @@ def measure_size(
                     with before_issue_32() if variant[0] == BEFORE_32 else contextlib.nullcontext():
                         timing = time_variant(variant, manager, store, key, cache, args.repeats)
                     results.append({"size": size, "tokens": tokens, "parser": parser, **timing})
-                    mb_s = timing["restore_mb_s_median"]
-                    print(f"  {tokens} tokens, {parser}, {variant[0]}: {mb_s:.0f} MB/s (median)", flush=True)
+                    mb_s, write = timing["restore_mb_s_median"], timing["write_mb_s_median"]
+                    print(
+                        f"  {tokens} tokens, {parser}, {variant[0]}: {mb_s:.0f} MB/s (median), write {write:.0f} MB/s",
+                        flush=True,
+                    )
             finally:
                 store.delete(key)
                 manager.internals.sealer.chunk_bytes = CHUNK_BYTES
@@ -216,11 +236,13 @@ def print_results(records: list[dict], sizes: list[int], parsers: list[str]) -> 
             f"{rec['restore_mb_s_best']:.0f}",
             f"{rec['read_mb_s_median']:.0f}",
             f"{rec['open_mb_s_median']:.0f}",
+            f"{rec['seal_mb_s_median']:.0f}",
+            f"{rec['write_mb_s_median']:.0f}",
         ]
         for rec in records
     ]
     headers = ["tokens", "parser", "variant", "blob", "restore p50", "best", "MB/s p50", "MB/s best"]
-    headers += ["read only MB/s", "open only MB/s"]
+    headers += ["read only MB/s", "open only MB/s", "seal MB/s", "write MB/s"]
     print_table("Restore from Redis (MB/s = sealed blob bytes / seconds)", headers, rows)
     default = f"chunked {CHUNK_BYTES // MiB} MiB, streamed"
     for size in sizes:
@@ -234,6 +256,8 @@ def print_results(records: list[dict], sizes: list[int], parsers: list[str]) -> 
             if BEFORE_32 in of:
                 before = of[BEFORE_32]["restore_mb_s_median"]
                 print(f"  against {BEFORE_32}: {before:.0f} MB/s: {after / before:.2f}x")
+            seal, write = of[default]["seal_mb_s_median"], of[default]["write_mb_s_median"]
+            print(f"  the write path, {default}: seal {seal:.0f} MB/s, write (put) {write:.0f} MB/s")
 
 
 def main() -> None:

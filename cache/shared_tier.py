@@ -45,7 +45,7 @@ class SharedTier:
         self._disk = local_disk
 
     def publish(
-        self, key: CacheKey, blob: bytes | None, cache: SessionCache | None, base_key: PrefixKey | None
+        self, key: CacheKey, blob: bytes | bytearray | None, cache: SessionCache | None, base_key: PrefixKey | None
     ) -> bool:
         """Store a session's sealed `blob` (sealed here from `cache` when `None`) and its base
         layer's blob. Returns whether the store now holds both.

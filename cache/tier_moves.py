@@ -220,7 +220,9 @@ class TierMoves:
         if shared:
             entry.shared_version = None
 
-    def seal_or_none(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes | None:
+    def seal_or_none(
+        self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None
+    ) -> bytes | bytearray | None:
         """The sealed cache, or `None` (logged) when it cannot be sealed for its key: the caller
         drops it instead of storing it, and the transcript rebuilds it."""
         try:

@@ -96,7 +96,9 @@ class SealFailed(CacheError):
 class CacheSealer(Protocol):
     """Turns caches into sealed bytes bound to their key, and back."""
 
-    def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
+    def seal_session(
+        self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None
+    ) -> bytes | bytearray:
         """Raises `SealFailed` if the cache cannot be sealed for this key.
 
         `pause`, if given, is called between the sealing steps (encoding, encryption), each of
@@ -109,7 +111,7 @@ class CacheSealer(Protocol):
         `BlobMissing` if a piece of it cannot be read."""
         ...
 
-    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes:
+    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes | bytearray:
         """Raises `SealFailed` if the base layer cannot be sealed for this key."""
         ...
 
@@ -122,7 +124,7 @@ class CacheSealer(Protocol):
 class BlobStore(Protocol):
     """Sealed bytes by key, in one tier (after LMCache's storage-backend interface)."""
 
-    def put(self, key: CacheKey, blob: bytes) -> None: ...
+    def put(self, key: CacheKey, blob: bytes | bytearray) -> None: ...
 
     def get(self, key: CacheKey) -> bytes:
         """Raises `BlobMissing` if absent."""

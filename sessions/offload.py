@@ -140,9 +140,9 @@ class EncryptedCacheSealer:
         """The plaintext payload of a chunked blob (whole, or in pieces: its header, then its
         chunks, each decrypted as it arrives) or of a blob sealed whole before chunking."""
         data_key = self._keys.data_key(key.tenant_id)
-        if isinstance(blob, bytes):
+        if isinstance(blob, bytes | bytearray):  # a sealer's own output is a `bytearray`
             if not is_chunked(blob):
-                return self._open_whole(key, data_key, blob)
+                return self._open_whole(key, data_key, bytes(blob))
             frame_head, chunks = split_frame(blob)
             return open_chunked(data_key, frame_head, chunks, self._aads(key), max_payload_bytes=self.max_payload_bytes)
         with closing(blob):
@@ -163,7 +163,9 @@ class EncryptedCacheSealer:
                 current = current or exc
         raise current or AuthenticationFailed("no associated data to open the blob with")
 
-    def seal_session(self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None) -> bytes:
+    def seal_session(
+        self, key: CacheKey, cache: SessionCache, pause: Callable[[], None] | None = None
+    ) -> bytes | bytearray:
         data_key = self._data_key(key)
         tensors, header = session_cache_to_tensors(cache, self._precision, self._residual)
         header["model_fingerprint"] = self._fingerprint
@@ -179,7 +181,7 @@ class EncryptedCacheSealer:
         except MalformedCache as exc:
             raise BlobRejected(str(exc)) from exc
 
-    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes:
+    def seal_base(self, key: CacheKey, base: BaseLayer) -> bytes | bytearray:
         data_key = self._data_key(key)
         tensors, header = base_layer_to_tensors(base)
         header["model_fingerprint"] = self._fingerprint
@@ -212,7 +214,7 @@ class TierBlobStore:
         except BlobNotFound as exc:
             raise BlobMissing(str(exc)) from exc
 
-    def put(self, key: CacheKey, blob: bytes) -> None:
+    def put(self, key: CacheKey, blob: bytes | bytearray) -> None:
         self.store.put(key, blob)
 
     def delete(self, key: CacheKey) -> None:
@@ -252,7 +254,7 @@ class SharedBlobStore(TierBlobStore):
         except RedisUnavailable as exc:
             raise BlobMissing(f"Redis unavailable: {exc}") from exc
 
-    def put(self, key: CacheKey, blob: bytes) -> None:
+    def put(self, key: CacheKey, blob: bytes | bytearray) -> None:
         """Raises `StoreUnavailable` if Redis cannot be reached."""
         try:
             super().put(key, blob)

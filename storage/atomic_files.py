@@ -22,7 +22,7 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600, exclusive: bool = False) -> None:
+def write_atomic(path: Path, data: bytes | bytearray, mode: int = 0o600, exclusive: bool = False) -> None:
     """Write `data` to `path` atomically with permissions `mode`.
 
     `exclusive`: fail with `FileExistsError` if `path` exists (first writer wins).

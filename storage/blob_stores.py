@@ -65,9 +65,9 @@ class HostBlobStore(Generic[K]):
         self._blobs: dict[K, bytes] = {}
         self._lock = threading.Lock()
 
-    def put(self, key: K, blob: bytes) -> None:
+    def put(self, key: K, blob: bytes | bytearray) -> None:
         with self._lock:
-            self._blobs[key] = bytes(blob)
+            self._blobs[key] = bytes(blob)  # a sealer's frame (a `bytearray`) is copied: kept immutable
 
     def get(self, key: K) -> bytes:
         """Raises `BlobNotFound` if absent."""
@@ -135,7 +135,7 @@ class DiskBlobStore(Generic[K]):
     def path_for(self, key: K) -> Path:
         return self.root / _check_name(key.tenant_id) / (_check_name(key.name) + BLOB_SUFFIX)
 
-    def put(self, key: K, blob: bytes) -> None:
+    def put(self, key: K, blob: bytes | bytearray) -> None:
         """Write atomically and record the row; if the owning session or tenant is gone, the file
         is removed again and the store does not hold the key."""
         path = self.path_for(key)

@@ -108,8 +108,10 @@ def _bulk_reader(connection: object, buffers: ReplyBuffers) -> BulkReader | None
 
     redis-py has no public way to receive a reply into a caller's buffer, nor to reach a pooled
     connection's socket: `_sock` is the attribute every one of its socket connections (TCP, TLS,
-    Unix) keeps it in, set by `connect()`, which the pool calls before handing a connection out;
-    its parser has then nothing buffered (the pool reconnects one that has). Were it renamed, the
+    Unix) keeps it in, set by `connect()`. Take it after the first command is sent, never before:
+    a send may run a health check that finds the socket dead and reconnects (a new `_sock`). Its
+    parser has then nothing buffered (the pool reconnects a connection handed back with unread
+    replies, and a health check reads its PING's reply before the command goes). Were it renamed, the
     chunks would be read through redis-py again, slower but the same
     (`tests/storage/test_bulk_replies.py` checks that the socket is found)."""
     sock = getattr(connection, "_sock", None)
@@ -253,7 +255,7 @@ class RedisBlobStore(Generic[K]):
         """`<prefix>:<fingerprint[:16]>:<tenant id>:{<name>}`. Raises `ValueError` for an unsafe part."""
         return f"{self._namespace}:{_check_name(key.tenant_id)}:{{{_check_name(key.name)}}}"
 
-    def put(self, key: K, blob: bytes) -> None:
+    def put(self, key: K, blob: bytes | bytearray) -> None:
         """Store `blob` under `key` with the TTL (a chunked blob as its chunks and manifest, anything
         else as one value), delete the chunks of the value it replaced, record its row, then hold
         the byte budget.
@@ -266,8 +268,10 @@ class RedisBlobStore(Generic[K]):
             ValueError: `blob` starts like a chunked blob but is not one (a caller's bug).
         """
         redis_key = self.redis_key(key)
-        manifest, chunks = blob, []
-        if is_chunked(blob):
+        chunks: list[tuple[str, memoryview]] = []
+        if not is_chunked(blob):
+            manifest = bytes(blob)  # a blob sealed whole (before chunking): redis-py refuses a `bytearray`
+        else:
             try:
                 head, sealed = split_frame(blob)
             except AuthenticationFailed as exc:
@@ -292,7 +296,10 @@ class RedisBlobStore(Generic[K]):
             tier=LOCATION,
             path=redis_key,
             nbytes=len(blob),
-            checksum=hashlib.sha256(blob).hexdigest(),
+            # The manifest names this write's chunks alone (a random blob id, a tag over the sizes),
+            # so its digest tells this write from any other as the whole blob's did (the row is
+            # deleted only if it still records the write read), without a pass over 100s of MB.
+            checksum=hashlib.sha256(manifest).hexdigest(),
             model_fingerprint=self._fingerprint,
             location=LOCATION,
         )
@@ -373,11 +380,14 @@ class RedisBlobStore(Generic[K]):
         pool = client.connection_pool
         with self._redis(f"read {count} chunks of {slot_key}"):
             connection = pool.get_connection()
-            reader = _bulk_reader(connection, self._reply_buffers)
+            reader: BulkReader | None = None
             done = False
             try:
                 first = [("GET", next(keys)) for _ in range(min(READ_WINDOW, count))]
                 connection.send_packed_command(connection.pack_commands(first))
+                # The socket the GETs went out on: the send's health check (a client made with
+                # `health_check_interval`) may have found the pooled socket dead and reconnected.
+                reader = _bulk_reader(connection, self._reply_buffers)
                 for sent in range(len(first), count + len(first)):
                     value = reader.read() if reader is not None else connection.read_response()
                     if sent < count:

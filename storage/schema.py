@@ -162,7 +162,8 @@ class CacheBlobRow(Base):
     path: Mapped[str] = mapped_column(String(512))
     nbytes: Mapped[int] = mapped_column(BigInteger)
     checksum: Mapped[str] = mapped_column(String(64))
-    """SHA-256 of the sealed bytes as written."""
+    """SHA-256 of the sealed bytes as written; in Redis, of the value under the blob's key: a
+    chunked blob's manifest (its header, whose random blob id names that write's chunks alone)."""
     model_fingerprint: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     location: Mapped[str] = mapped_column(String(64), default="", server_default="")

@@ -1,6 +1,7 @@
 """Real `redis-server` processes for tests: a private standalone server (to kill, stop or flush
 without touching the machine's shared Redis) and a three-master Redis Cluster, each in a temporary
-folder on free ports, with nothing persisted (`--save "" --appendonly no`)."""
+folder on free ports, with nothing persisted (`--save "" --appendonly no`); and a TCP proxy that
+can make the connections it carries go silent (`SilencingProxy`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -175,3 +177,75 @@ def delete_prefixed(client: redis.Redis | redis.RedisCluster, prefix: str) -> No
     for key in keys:
         with contextlib.suppress(redis.exceptions.RedisError):
             client.delete(key)
+
+
+class SilencingProxy:
+    """A TCP proxy in front of a Redis (threads of this process) that can make the connections it
+    carries go silent, as a NAT or firewall that dropped them would: `silence()` stops forwarding
+    either way on every connection open now, without closing it (the client sees no reset and no
+    end of stream, only no answer); connections made afterwards are carried as usual. Use it as a
+    context manager; it closes its sockets on exit.
+
+    Args:
+        host, port: the Redis to forward to.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._open: list[tuple[socket.socket, socket.socket]] = []
+        self._silenced: set[socket.socket] = set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def silence(self) -> int:
+        """Stop forwarding on every connection open now; returns how many."""
+        with self._lock:
+            for client, _ in self._open:
+                self._silenced.add(client)
+            return len(self._open)
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for pair in self._open:
+                for sock in pair:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)  # wakes its pump's recv
+                    sock.close()
+
+    def __enter__(self) -> SilencingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self._target)
+            with self._lock:
+                self._open.append((client, server))
+            threading.Thread(target=self._pump, args=(client, client, server), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, client), daemon=True).start()
+
+    def _pump(self, client: socket.socket, source: socket.socket, sink: socket.socket) -> None:
+        while True:
+            try:
+                data = source.recv(1 << 16)
+                if not data:
+                    return
+                with self._lock:
+                    silent = client in self._silenced
+                if not silent:
+                    sink.sendall(data)
+            except OSError:
+                return

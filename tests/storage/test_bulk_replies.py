@@ -6,21 +6,35 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from urllib.parse import urlparse
 
 import pytest
 import redis
 import torch
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from storage.bulk_replies import MAX_BULK_BYTES, BulkReader, ReplyBuffers
-from storage.chunked_blobs import MAPPED_PAYLOAD_BYTES, open_chunked, payload_buffer, seal_chunked, split_frame
+from storage.chunked_blobs import (
+    HEADER_BYTES,
+    MAPPED_PAYLOAD_BYTES,
+    ChunkedHeader,
+    open_chunked,
+    payload_buffer,
+    seal_chunked,
+    split_frame,
+)
 from storage.metadata_store import MetadataStore
 from storage.redis_store import RedisUnavailable, _bulk_reader, connect_redis
+from tests.redis_servers import SilencingProxy
 from tests.storage.conftest import S1, S2, Key
 from tests.storage.test_redis_chunks import DATA_KEY, aad, chunk_keys, frame, make_store, opened
 
@@ -175,6 +189,39 @@ def test_the_store_hands_chunks_as_views_valid_until_the_next(
         client.close()
 
 
+def test_chunks_are_read_from_the_socket_a_health_check_reconnected_to(
+    rows: MetadataStore, redis_url: str, redis_prefix: str
+) -> None:
+    """A client made with `health_check_interval` PINGs a pooled connection idle that long before
+    its next command, and reconnects if the PING goes unanswered: the chunk reader must read
+    from the new socket, not the dead one the pool handed out (it took that one before the first
+    send, and the read failed as if Redis were down)."""
+    target = urlparse(redis_url)
+    with SilencingProxy(target.hostname or "127.0.0.1", target.port or 6379) as proxy:
+        client = redis.Redis.from_url(
+            proxy.url,
+            socket_timeout=0.3,
+            socket_connect_timeout=0.3,
+            retry=Retry(NoBackoff(), 1),
+            health_check_interval=0.05,
+        )
+        try:
+            store = make_store(client, rows, redis_prefix)
+            payload, blob = frame(S1)
+            store.put(S1, blob)
+            pieces = store.read(S1)
+            next(pieces)  # the manifest: read on the one pooled connection, which the chunks reuse
+            assert proxy.silence() == 1  # that connection is now dead without a word
+            time.sleep(0.1)  # past the health check interval: the first chunk GET's send PINGs
+            head = ChunkedHeader.parse(blob)
+            chunks = [bytes(piece) for piece in pieces]
+            assert len(chunks) == head.chunk_count
+            opened_payload = open_chunked(DATA_KEY, blob[:HEADER_BYTES], chunks, [aad(S1)], max_payload_bytes=len(blob))
+            assert opened_payload == payload
+        finally:
+            client.close()
+
+
 def test_a_chunk_key_holding_another_type_fails_the_read_as_redis_does(
     rows: MetadataStore, redis_url: str, redis_prefix: str
 ) -> None:
@@ -202,6 +249,20 @@ def test_a_large_payload_buffer_is_zeroed_private_memory_that_its_tensor_views_k
     view[-1] = 7
     del large  # the tensor holds the mapping
     assert int(view[-1]) == 7 and int(view.sum()) == 7
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="per-thread fault counts are Linux's")
+def test_a_large_payload_buffer_has_its_pages_in_place_before_the_payload_is_written() -> None:
+    """The decryption writing every page of a fresh mapping took one page fault per 4 KiB page;
+    populated when mapped (`MAP_POPULATE`), writing it faults none (this thread's own count)."""
+    nbytes = MAPPED_PAYLOAD_BYTES * 2
+    half = bytes(range(256)) * (nbytes // 512)  # made (and faulted in) before counting
+    large = payload_buffer(nbytes)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    large[: nbytes // 2] = half
+    large[nbytes // 2 :] = half
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < 0.25 * nbytes / mmap.PAGESIZE, f"{faults} faults writing {nbytes // mmap.PAGESIZE} pages"
 
 
 def test_a_chunked_payload_over_the_mapping_size_opens_into_its_buffer() -> None:

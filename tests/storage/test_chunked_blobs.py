@@ -52,6 +52,23 @@ def test_round_trip_in_chunks_of_the_given_size(size: int) -> None:
     assert bytes(one_at_a_time) == payload
 
 
+@pytest.mark.parametrize("size", [0, CHUNK, 5 * CHUNK + 37])
+def test_a_frame_is_its_header_then_each_chunk_sealed_on_its_own(size: int) -> None:
+    """The frame is written in place (each chunk encrypted into its slot): it holds exactly the
+    header and the chunks sealed one by one as the format says, nothing between or after."""
+    payload = os.urandom(size)
+    frame = seal_chunked(KEY, payload, AAD, chunk_bytes=CHUNK)
+    header = ChunkedHeader.parse(frame)
+    cipher = header.cipher(KEY)
+    chunks = [
+        cipher.encrypt(
+            index.to_bytes(12, "big"), payload[index * CHUNK : (index + 1) * CHUNK], header.chunk_aad(AAD, index)
+        )
+        for index in range(header.chunk_count)
+    ]
+    assert bytes(frame) == header.signed(cipher, AAD).to_bytes() + b"".join(chunks)
+
+
 def test_each_write_is_a_new_blob() -> None:
     first, second = (seal_chunked(KEY, b"same payload", AAD, chunk_bytes=CHUNK) for _ in range(2))
     assert ChunkedHeader.parse(first).blob_id != ChunkedHeader.parse(second).blob_id
