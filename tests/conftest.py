@@ -37,6 +37,26 @@ REDIS_CLUSTER_ENV = "CHATKV_TEST_REDIS_CLUSTER_URL"
 MASTER_KEY = "Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE="  # base64 of 32 bytes, tests only
 
 
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Put the root logger's handlers and level, and chatkv's loggers' levels, back after each test:
+    a command run in-process (`chatkv serve --log-level error` refusing a model, `tests/app/test_cli.py`)
+    configures logging for the whole process, and a later test in the same process then saw no
+    warning records (with `--log-level error`, `sessions` and `cache` drop them)."""
+    import logging
+
+    from app.cli.logs import OWN_LOGGERS
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    levels = {name: logging.getLogger(name).level for name in OWN_LOGGERS}
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for name, saved in levels.items():
+        logging.getLogger(name).setLevel(saved)
+
+
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct as a safetensors directory (converted on first use)."""
