@@ -133,6 +133,7 @@ class ContextTooLong(ChatKVError):
         self.needed_tokens = needed_tokens
         self.limit_tokens = limit_tokens
         self.reply_tokens = reply_tokens
+        self.what = what
         super().__init__(self._describe(what))
 
     @property

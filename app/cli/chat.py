@@ -58,7 +58,7 @@ def _repl(
 ) -> None:
     """Read messages until /quit or end of input. Without `session` the first message's turn makes
     a new session (it is kept only if that turn completes) and the others continue it."""
-    from sessions import ChatKVError, TurnOptions, TurnTarget
+    from sessions import ChatKVError, ContextTooLong, TurnOptions, TurnTarget
 
     options = TurnOptions(max_new_tokens=max_new_tokens)
     while True:
@@ -75,6 +75,12 @@ def _repl(
         try:
             turn = manager.run_turn(tenant_id, target, message, options)
             reply = _stream_turn(turn)
+        except ContextTooLong as exc:
+            if session is None and exc.what == "system prompt":
+                # Not this message's fault: every message would be refused for the same --system.
+                raise CLIError(f"{exc} (--system)", 2) from None
+            typer.echo(f"error: {exc}", err=True)
+            continue
         except ChatKVError as exc:  # the REPL survives a rejected message (too long, busy session)
             typer.echo(f"error: {exc}", err=True)
             continue

@@ -563,6 +563,16 @@ def test_chat_a_refused_first_message_leaves_no_session(cli: Cli) -> None:
     assert cli.json("sessions", "list") == []
 
 
+def test_chat_with_a_system_prompt_over_the_context_exits_at_the_first_message(cli: Cli) -> None:
+    """Every message would be refused for the same --system, so the first refusal ends the command
+    (exit 2, one line) instead of the REPL asking again; nothing is stored."""
+    cli.ok("tenants", "create", "acme")
+    result = cli("chat", "--tenant", "acme", "--system", "word " * 6000, input="Hello\nAgain\n")
+    assert assert_one_line_error(result).startswith("error: system prompt too long")
+    assert "you> " in result.stdout and result.stdout.count("you> ") == 1
+    assert cli.json("sessions", "list") == []
+
+
 def test_chat_bad_input(cli: Cli) -> None:
     assert_one_line_error(cli("chat", "--tenant", "nobody", input="hi\n"))
     cli.ok("tenants", "create", "acme")
