@@ -379,10 +379,11 @@ def main() -> None:
         engine,
         [
             f"{args.users} users x {args.turns} turns, stateless streaming clients (official openai package), "
-            f"~{args.user_tokens}-token messages, replies <= {args.max_tokens} tokens, greedy; one chatkv serve each "
+            f"~{args.user_tokens}-token messages, replies <= {args.max_tokens} tokens, greedy "
             f"(server torch threads: {args.threads or 'default'})",
-            f"comparisons: {args.mode}; paired: {args.paired_users} users one request at a time, "
-            f"chat completions and Responses on one server under two tenants, orders alternating",
+            f"comparisons: {args.mode}; concurrent: one chatkv serve per pattern, one after the other; paired: "
+            f"{args.paired_users} users one request at a time, chat completions and Responses on one server "
+            "under two tenants, orders alternating",
         ],
     )
     # The fixed texts repeat after 12 paragraphs: each user signs its messages, so no two users
