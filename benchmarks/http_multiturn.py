@@ -26,12 +26,26 @@ see what the Responses pattern costs beside chat completions). Replies are compa
 servers (greedy: they should be identical; batching can flip a near-tie, which is reported, not
 hidden).
 
-    .venv/bin/python benchmarks/http_multiturn.py [--quick] [--threads 1]
+Those three patterns run one after the other, so on a shared machine the load drifts between them
+and the responses/chatkv TTFT ratio of that table swings with it. The **paired** comparison
+(`--mode paired`, or after the concurrent one with the default `--mode both`) cancels the drift:
+one fresh server holds both patterns, chat completions under one tenant and Responses under another
+(tenants share nothing: no session, no prefix pool entry, no cache crosses them, so neither pattern
+reuses the other's work), and `--paired-users` users take their turns one request at a time, each
+turn a pair of one chat completions and one Responses request in the order A B, B A, A B, ... so
+each pattern goes first as often as second; after each request `--settle` seconds pass so its
+after-reply work does not run into the next one. One request at a time leaves no batching in the
+TTFT. Printed: per turn the two TTFT medians and the median of the per-pair ratios
+responses/chat completions with its range, then the median ratio over all pairs and over the warm
+turns (1 on) with a bootstrap 95% interval, and the server CPU time of each pattern's requests.
+
+    .venv/bin/python benchmarks/http_multiturn.py [--quick] [--threads 1] [--mode both|concurrent|paired]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -188,6 +202,147 @@ def measure(
         return {pattern: figures}
 
 
+@dataclass
+class Pair:
+    """One user's turn both ways on the paired server: TTFT (seconds) and server CPU time (seconds,
+    the request's window and its settle time) of the chat completions (`chat`) and Responses
+    (`resp`) request, and which went first."""
+
+    user: int
+    turn: int
+    chat_first: bool
+    chat_ttft_s: float
+    resp_ttft_s: float
+    chat_cpu_s: float
+    resp_cpu_s: float
+
+    @property
+    def ratio(self) -> float:
+        """Responses TTFT over chat completions TTFT."""
+        return self.resp_ttft_s / self.chat_ttft_s
+
+
+def measure_paired(
+    engine: Engine, root: Path, args: argparse.Namespace, messages: list[list[str]]
+) -> tuple[list[Pair], list[UserRun], list[UserRun]]:
+    """Both patterns on one fresh server, each under its own tenant, one request at a time in the
+    order A B, B A, ... (pair k runs chat completions first when k is even). Returns the pairs and
+    each pattern's runs (chat completions, Responses)."""
+    home = root / "paired" / "home"
+    with open_manager(home, engine, args.model_cache_dir) as manager:
+        chat_key = manager.issue_api_key(manager.create_tenant("chat"))
+        resp_key = manager.issue_api_key(manager.create_tenant("responses"))
+        model = manager.model_name
+    with chatkv_server(home, args, {"CHATKV_REUSE_KV": "1"}, home.parent / "server-paired.log") as url:
+        chat = OpenAI(base_url=url, api_key=chat_key, max_retries=0, timeout=600)
+        resp = OpenAI(base_url=url, api_key=resp_key, max_retries=0, timeout=600)
+        # Kernels and allocator; the same system prompt both ways, so each tenant's prefix pool
+        # starts alike.
+        stream_turn(chat, model, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hi."}], 4)
+        stream_response_turn(resp, model, None, "Hi.", 4)
+        server = _server_process(url)
+        chat_runs = [UserRun() for _ in messages]
+        resp_runs = [UserRun() for _ in messages]
+        conversations = [[{"role": "system", "content": SYSTEM_PROMPT}] for _ in messages]
+        previous: list[str | None] = [None] * len(messages)
+        pairs: list[Pair] = []
+
+        def timed(request: Any) -> tuple[dict[str, Any], float]:
+            before = server.cpu_times()
+            turn = request()
+            time.sleep(args.settle)  # the request's after-reply work lands in its own window
+            after = server.cpu_times()
+            return turn, (after.user + after.system) - (before.user + before.system)
+
+        def chat_turn(u: int, text: str) -> tuple[dict[str, Any], float]:
+            conversations[u].append({"role": "user", "content": text})
+            turn, cpu = timed(lambda: stream_turn(chat, model, conversations[u], args.max_tokens))
+            conversations[u].append({"role": "assistant", "content": turn["text"]})
+            chat_runs[u].sessions.add(turn["session_id"])
+            return turn, cpu
+
+        def resp_turn(u: int, text: str) -> tuple[dict[str, Any], float]:
+            turn, cpu = timed(lambda: stream_response_turn(resp, model, previous[u], text, args.max_tokens))
+            previous[u] = turn["session_id"]
+            return turn, cpu
+
+        for t in range(args.turns):
+            for u, texts in enumerate(messages):
+                chat_first = len(pairs) % 2 == 0
+                if chat_first:
+                    (a, a_cpu), (b, b_cpu) = chat_turn(u, texts[t]), resp_turn(u, texts[t])
+                else:
+                    (b, b_cpu), (a, a_cpu) = resp_turn(u, texts[t]), chat_turn(u, texts[t])
+                for run, turn in ((chat_runs[u], a), (resp_runs[u], b)):
+                    run.replies.append(turn["text"])
+                    _record(run, turn)
+                pairs.append(Pair(u, t, chat_first, a["ttft_s"], b["ttft_s"], a_cpu, b_cpu))
+    return pairs, chat_runs, resp_runs
+
+
+def bootstrap_median_interval(values: list[float], seed: int, resamples: int = 2000) -> tuple[float, float]:
+    """The 2.5th and 97.5th percentiles of the median over `resamples` resamples of `values` with
+    replacement (the percentile bootstrap, Efron 1979)."""
+    rng = random.Random(seed)
+    medians = sorted(median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def report_paired(
+    pairs: list[Pair], chat_runs: list[UserRun], resp_runs: list[UserRun], args: argparse.Namespace
+) -> None:
+    """The paired comparison's tables and summary lines."""
+    rows = []
+    for t in range(args.turns):
+        turn = [p for p in pairs if p.turn == t]
+        ratios = [p.ratio for p in turn]
+        rows.append(
+            [
+                t,
+                len(turn),
+                round(median([r.cached_tokens[t] for r in chat_runs])),
+                round(median([r.cached_tokens[t] for r in resp_runs])),
+                fmt_s(median([p.chat_ttft_s for p in turn])),
+                fmt_s(median([p.resp_ttft_s for p in turn])),
+                f"{median(ratios):.3f}x",
+                f"{min(ratios):.2f}-{max(ratios):.2f}",
+            ]
+        )
+    print_table(
+        f"paired, one request at a time, one server, two tenants (settle {args.settle} s): TTFT per turn",
+        [
+            "turn",
+            "pairs",
+            "chat cached p50",
+            "responses cached p50",
+            "chat p50",
+            "responses p50",
+            "responses/chat per-pair p50",
+            "per-pair range",
+        ],
+        rows,
+    )
+    for label, chosen in (("all turns", pairs), ("warm turns (1 on)", [p for p in pairs if p.turn > 0])):
+        if not chosen:
+            continue
+        ratios = [p.ratio for p in chosen]
+        low, high = bootstrap_median_interval(ratios, args.seed)
+        first = median([p.ratio for p in chosen if p.chat_first] or [float("nan")])
+        second = median([p.ratio for p in chosen if not p.chat_first] or [float("nan")])
+        print(
+            f"paired TTFT responses/chat completions, {label}: median {median(ratios):.3f}x over {len(ratios)} pairs "
+            f"(bootstrap 95% {low:.3f}-{high:.3f}; chat first {first:.3f}x, responses first {second:.3f}x)"
+        )
+    chat_cpu, resp_cpu = sum(p.chat_cpu_s for p in pairs), sum(p.resp_cpu_s for p in pairs)
+    print(
+        f"paired server CPU time: chat completions {fmt_s(chat_cpu)}, responses {fmt_s(resp_cpu)} "
+        f"({resp_cpu / chat_cpu:.3f}x; request windows plus settle, 10 ms clock ticks)"
+    )
+    same = sum(a.replies == b.replies for a, b in zip(chat_runs, resp_runs, strict=True))
+    verdict = "yes" if same == len(chat_runs) else f"WARNING: {len(chat_runs) - same} of {len(chat_runs)} differ"
+    print(f"paired replies identical between chat completions and responses: {verdict}")
+
+
 def _server_process(url: str) -> psutil.Process:
     """The `chatkv serve` child process listening at `url`'s port."""
     port = url.rsplit(":", 1)[1].split("/", 1)[0]
@@ -203,17 +358,32 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--user-tokens", type=int, default=80, help="tokens per user message")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens per reply")
+    parser.add_argument(
+        "--mode", choices=["both", "concurrent", "paired"], default="both", help="which comparisons to run"
+    )
+    parser.add_argument(
+        "--paired-users", type=int, default=None, help="users of the paired comparison (default and most: --users)"
+    )
+    parser.add_argument("--settle", type=float, default=0.2, help="seconds of quiet after each paired request")
     args = parser.parse_args()
     if args.quick:
         args.turns, args.user_tokens, args.max_tokens = 3, 40, 16
+    args.paired_users = args.users if args.paired_users is None else args.paired_users
+    if not 1 <= args.paired_users <= args.users:
+        parser.error(f"--paired-users must be between 1 and --users ({args.users}), got {args.paired_users}")
+    if args.settle < 0:
+        parser.error(f"--settle must be >= 0, got {args.settle}")
     engine = setup(args)
     print_header(
         "chatkv: multi-turn chat over the OpenAI HTTP API, session reuse vs re-prefill, and the Responses API",
         engine,
         [
             f"{args.users} users x {args.turns} turns, stateless streaming clients (official openai package), "
-            f"~{args.user_tokens}-token messages, replies <= {args.max_tokens} tokens, greedy; one chatkv serve each "
+            f"~{args.user_tokens}-token messages, replies <= {args.max_tokens} tokens, greedy "
             f"(server torch threads: {args.threads or 'default'})",
+            f"comparisons: {args.mode}; concurrent: one chatkv serve per pattern, one after the other; paired: "
+            f"{args.paired_users} users one request at a time, chat completions and Responses on one server "
+            "under two tenants, orders alternating",
         ],
     )
     # The fixed texts repeat after 12 paragraphs: each user signs its messages, so no two users
@@ -222,12 +392,39 @@ def main() -> None:
         [f"User {u}: {user_message(engine, u * args.turns + t, args.user_tokens)}" for t in range(args.turns)]
         for u in range(args.users)
     ]
+    payload: dict[str, Any] = {}
     with temp_dir("http-multiturn") as root:
-        results = {
-            **measure(engine, root, args, messages, "chatkv"),
-            **measure(engine, root, args, messages, "responses"),
-            **measure(engine, root, args, messages, "re-prefill"),
-        }
+        if args.mode in ("both", "concurrent"):
+            results = {
+                **measure(engine, root, args, messages, "chatkv"),
+                **measure(engine, root, args, messages, "responses"),
+                **measure(engine, root, args, messages, "re-prefill"),
+            }
+            report_concurrent(results, args)
+            payload.update(
+                {
+                    name: {
+                        "wall_s": r["wall_s"],
+                        "tokens": r["tokens"],
+                        "tokens_per_s": r["tokens_per_s"],
+                        "users": [
+                            {"ttft_s": u.ttft_s, "cached_tokens": u.cached_tokens, "prompt_tokens": u.prompt_tokens}
+                            for u in r["runs"]
+                        ],
+                    }
+                    for name, r in results.items()
+                }
+            )
+        if args.mode in ("both", "paired"):
+            paired_messages = messages[: args.paired_users]
+            pairs, chat_runs, resp_runs = measure_paired(engine, root, args, paired_messages)
+            report_paired(pairs, chat_runs, resp_runs, args)
+            payload["paired"] = [vars(p) for p in pairs]
+    write_json(args.json, payload, engine)
+
+
+def report_concurrent(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    """The concurrent comparison's tables and summary lines."""
     ours, base, chained = results["chatkv"]["runs"], results["re-prefill"]["runs"], results["responses"]["runs"]
     rows = []
     for t in range(args.turns):
@@ -303,22 +500,6 @@ def main() -> None:
     same = sum(a.replies == b.replies for a, b in zip(ours, chained, strict=True))
     verdict = "yes" if same == len(ours) else f"WARNING: {len(ours) - same} of {len(ours)} differ"
     print(f"replies identical between chat completions and responses: {verdict}")
-    write_json(
-        args.json,
-        {
-            name: {
-                "wall_s": r["wall_s"],
-                "tokens": r["tokens"],
-                "tokens_per_s": r["tokens_per_s"],
-                "users": [
-                    {"ttft_s": u.ttft_s, "cached_tokens": u.cached_tokens, "prompt_tokens": u.prompt_tokens}
-                    for u in r["runs"]
-                ],
-            }
-            for name, r in results.items()
-        },
-        engine,
-    )
 
 
 if __name__ == "__main__":
