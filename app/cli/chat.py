@@ -11,7 +11,7 @@ from app.cli.groups import CLIError
 from app.cli.home import domain_errors, home_dir, load_services, settings_for
 from app.cli.options import TenantOption
 from app.cli.output import count
-from sessions import describe_owner, read_owner, recovery_hint
+from sessions import MAX_MESSAGE_CHARS, check_text, describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:
     from sessions import PlannedTurn, Reply, SessionManager, TurnStats
@@ -41,6 +41,12 @@ def chat_command(
         raise CLIError(f"{describe_owner(owner)} holds this home: {where} ({recovery_hint(home, owner)})", 2)
     if session is not None and system is not None:
         raise CLIError("--system applies to a new session: omit --session", 2)
+    with domain_errors():
+        # Checked before the model loads, as the new session would at the first message: refused
+        # there, every message would be refused in turn for the same --system (bytes that are not
+        # UTF-8 reach Python as lone surrogates).
+        if system is not None:
+            check_text(system, "--system", MAX_MESSAGE_CHARS)
     settings = settings_for(ctx.obj)
     with domain_errors(), load_services(settings).manager as manager:
         tenant_id = manager.get_tenant(tenant).id

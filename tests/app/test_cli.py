@@ -23,6 +23,7 @@ from typer.testing import CliRunner, Result
 from app.cli import app
 from app.cli.output import shown as shown_text
 from cache.serialization import FORMAT_VERSION
+from sessions import MAX_MESSAGE_CHARS
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.replicas.ownership import SessionOwnership
@@ -570,6 +571,26 @@ def test_chat_with_a_system_prompt_over_the_context_exits_at_the_first_message(c
     result = cli("chat", "--tenant", "acme", "--system", "word " * 6000, input="Hello\nAgain\n")
     assert assert_one_line_error(result).startswith("error: system prompt too long")
     assert "you> " in result.stdout and result.stdout.count("you> ") == 1
+    assert cli.json("sessions", "list") == []
+
+
+@pytest.mark.parametrize(
+    ("system", "says"),
+    [
+        ("caf\udce9", "--system is not valid Unicode text"),  # a Latin-1 byte in argv, as Python decodes it
+        ("x" * (MAX_MESSAGE_CHARS + 1), f"--system longer than {MAX_MESSAGE_CHARS:,} characters"),
+    ],
+    ids=["not utf-8", "over the message limit"],
+)
+def test_chat_with_a_system_prompt_that_cannot_be_stored_exits_before_the_first_message(
+    cli: Cli, system: str, says: str
+) -> None:
+    """The new session would refuse it at every message, each refusal blaming nothing the user
+    typed: refused at once (exit 2, one line), before the model loads or the REPL asks."""
+    cli.ok("tenants", "create", "acme")
+    result = cli("chat", "--tenant", "acme", "--system", system, input="Hello\nAgain\n")
+    assert assert_one_line_error(result).startswith(f"error: {says}")
+    assert "you> " not in result.stdout
     assert cli.json("sessions", "list") == []
 
 
