@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import sys
 from contextlib import closing
 from typing import TYPE_CHECKING, Annotated
 
@@ -67,6 +69,11 @@ def _repl(
     from sessions import ChatKVError, ContextTooLong, TurnOptions, TurnTarget
 
     options = TurnOptions(max_new_tokens=max_new_tokens)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # Typed bytes that are not UTF-8 become lone surrogates, so that message is refused and
+        # the REPL goes on (as in Python's UTF-8 mode); strict decoding (a UTF-8 locale) ended
+        # the command, blaming its arguments.
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             message = input("you> ").strip()

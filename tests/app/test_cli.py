@@ -594,6 +594,26 @@ def test_chat_with_a_system_prompt_that_cannot_be_stored_exits_before_the_first_
     assert cli.json("sessions", "list") == []
 
 
+def test_chat_refuses_a_typed_message_that_is_not_utf8_and_goes_on_under_a_strict_utf8_locale(
+    cli: Cli, cli_env: dict[str, str | None]
+) -> None:
+    """A real process with stdin decoded strictly (as under en_US.UTF-8, outside Python's UTF-8
+    mode): a pasted Latin-1 line is that message's error, not the end of the command."""
+    cli.ok("tenants", "create", "acme")
+    env = {name: value for name, value in {**os.environ, **cli_env}.items() if value is not None}
+    env.update(PYTHONIOENCODING="utf-8:strict", PYTHONUTF8="0", PYTHONPATH=os.getcwd())
+    command = [sys.executable, "-c", "from app.cli import main; main()", "chat", "--tenant", "acme"]
+    done = subprocess.run(
+        [*command, "--max-new-tokens", "3"], input=b"caf\xe9\nHello\n", capture_output=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.decode().splitlines() == [
+        "error: message is not valid Unicode text (it contains a lone surrogate)"
+    ]
+    assert done.stdout.count(b"you> ") == 3 and b"(new)" in done.stdout
+    assert [s["message_count"] for s in cli.json("sessions", "list")] == [2]
+
+
 def test_chat_bad_input(cli: Cli) -> None:
     assert_one_line_error(cli("chat", "--tenant", "nobody", input="hi\n"))
     cli.ok("tenants", "create", "acme")
