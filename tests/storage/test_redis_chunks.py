@@ -366,3 +366,28 @@ def test_cluster_round_trip_of_a_chunked_blob_on_one_node(
         assert keys_of(client, redis_cluster_prefix) == []
     finally:
         client.close()
+
+
+def test_chunks_are_read_from_a_cluster_node_the_client_has_no_connection_to_yet(
+    rows: MetadataStore, redis_cluster_url: str, redis_cluster_prefix: str
+) -> None:
+    """A MOVED reply to another thread's command names a node the client did not know (a slot
+    resharded to a new node): redis-py adds it without a connection, made when a command is
+    first routed there. A restore that had read its manifest before reads its chunks from that
+    node (the state is set as redis-py leaves it: a node whose `redis_connection` is `None`)."""
+    client = connect_redis(redis_cluster_url, cluster=True, timeout_s=TIMEOUT_S)
+    assert isinstance(client, redis.RedisCluster)
+    try:
+        store = make_store(client, rows, redis_cluster_prefix)
+        payload, blob = frame(S1)
+        store.put(S1, blob)
+        pieces = store.read(S1)
+        head = next(pieces)  # the manifest, read through the client
+        node = client.get_node_from_key(store.redis_key(S1))
+        assert node.redis_connection is not None
+        node.redis_connection.close()
+        node.redis_connection = None
+        opened_payload = open_chunked(DATA_KEY, head, pieces, [aad(S1)], max_payload_bytes=MAX_PAYLOAD)
+        assert bytes(opened_payload) == payload
+    finally:
+        client.close()
