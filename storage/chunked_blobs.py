@@ -36,6 +36,7 @@ import mmap
 import os
 import struct
 from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from itertools import chain
 
@@ -309,30 +310,57 @@ def open_chunked(
     header, cipher, blob_aad = open_header(data_key, head, blob_aads, max_payload_bytes=max_payload_bytes)
     pending = iter(chunks)
     first = next(pending, None)
+    if first is None:
+        raise AuthenticationFailed(f"a chunked blob without its chunks ({header.chunk_count} expected)")
     # Made once the first chunk is asked for, not before: populating its pages takes tens of
     # milliseconds, in which Redis already sends the next chunks instead of waiting for the ask.
     payload = payload_buffer(header.payload_bytes)
-    view, count = memoryview(payload), 0
-    for index, sealed in enumerate(chain([first], pending) if first is not None else ()):
-        if index >= header.chunk_count:
-            raise AuthenticationFailed(f"more chunks than the {header.chunk_count} its header says")
-        if len(sealed) != header.sealed_bytes(index):
-            raise AuthenticationFailed(
-                f"chunk {index} is {len(sealed)} bytes, its header says {header.sealed_bytes(index)}"
-            )
-        start = index * header.chunk_bytes
-        try:
-            cipher.decrypt_into(
-                _nonce(index),
-                sealed,
-                header.chunk_aad(blob_aad, index),
-                view[start : start + header.plain_bytes(index)],
-            )
-        except InvalidTag as exc:
-            raise AuthenticationFailed(f"chunk {index} of {header.chunk_count} does not authenticate") from exc
-        count = index + 1
-    if count == 0:
-        raise AuthenticationFailed(f"a chunked blob without its chunks ({header.chunk_count} expected)")
+    try:
+        _decrypt_chunks(header, cipher, blob_aad, chain([first], pending), payload)
+    except BaseException:
+        # Unmapped now, not when the error goes: its traceback holds this frame, and with it a
+        # populated mapping as large as the cache (hundreds of MB) for as long as anyone keeps
+        # the error (a log record, a handler still running, a test's `excinfo`).
+        _discard(payload)
+        raise
+    return payload
+
+
+def _decrypt_chunks(
+    header: ChunkedHeader,
+    cipher: AESGCM,
+    blob_aad: bytes,
+    chunks: Iterable[bytes | memoryview],
+    payload: bytearray | mmap.mmap,
+) -> None:
+    """Decrypt `chunks` into their places in `payload`. Raises `AuthenticationFailed` (see `open_chunked`)."""
+    count = 0
+    with memoryview(payload) as view:
+        for index, sealed in enumerate(chunks):
+            if index >= header.chunk_count:
+                raise AuthenticationFailed(f"more chunks than the {header.chunk_count} its header says")
+            if len(sealed) != header.sealed_bytes(index):
+                raise AuthenticationFailed(
+                    f"chunk {index} is {len(sealed)} bytes, its header says {header.sealed_bytes(index)}"
+                )
+            start = index * header.chunk_bytes
+            try:
+                cipher.decrypt_into(
+                    _nonce(index),
+                    sealed,
+                    header.chunk_aad(blob_aad, index),
+                    view[start : start + header.plain_bytes(index)],
+                )
+            except InvalidTag as exc:
+                raise AuthenticationFailed(f"chunk {index} of {header.chunk_count} does not authenticate") from exc
+            count = index + 1
     if count != header.chunk_count:
         raise AuthenticationFailed(f"{count} chunks of the {header.chunk_count} its header says")
-    return payload
+
+
+def _discard(payload: bytearray | mmap.mmap) -> None:
+    """Unmap a payload buffer that will not be returned (a `bytearray` is left to the collector)."""
+    if isinstance(payload, mmap.mmap):
+        # A view of it still held elsewhere keeps it mapped until that view goes, as before.
+        with suppress(BufferError):
+            payload.close()

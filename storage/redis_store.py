@@ -376,7 +376,9 @@ class RedisBlobStore(Generic[K]):
             return
         client = self._client
         if isinstance(client, RedisCluster):
-            client = cast(redis.Redis, client.get_node_from_key(slot_key).redis_connection)
+            # Not the node's `redis_connection`: `None` for a node the client learned of from a
+            # MOVED reply (a slot resharded to a new node) until a command is routed to it.
+            client = client.get_redis_connection(client.get_node_from_key(slot_key))
         pool = client.connection_pool
         with self._redis(f"read {count} chunks of {slot_key}"):
             connection = pool.get_connection()

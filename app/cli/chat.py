@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import sys
 from contextlib import closing
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,7 +13,7 @@ from app.cli.groups import CLIError
 from app.cli.home import domain_errors, home_dir, load_services, settings_for
 from app.cli.options import TenantOption
 from app.cli.output import count
-from sessions import describe_owner, read_owner, recovery_hint
+from sessions import MAX_MESSAGE_CHARS, check_text, describe_owner, read_owner, recovery_hint
 
 if TYPE_CHECKING:
     from sessions import PlannedTurn, Reply, SessionManager, TurnStats
@@ -41,6 +43,12 @@ def chat_command(
         raise CLIError(f"{describe_owner(owner)} holds this home: {where} ({recovery_hint(home, owner)})", 2)
     if session is not None and system is not None:
         raise CLIError("--system applies to a new session: omit --session", 2)
+    with domain_errors():
+        # Checked before the model loads, as the new session would at the first message: refused
+        # there, every message would be refused in turn for the same --system (bytes that are not
+        # UTF-8 reach Python as lone surrogates).
+        if system is not None:
+            check_text(system, "--system", MAX_MESSAGE_CHARS)
     settings = settings_for(ctx.obj)
     with domain_errors(), load_services(settings).manager as manager:
         tenant_id = manager.get_tenant(tenant).id
@@ -61,6 +69,11 @@ def _repl(
     from sessions import ChatKVError, ContextTooLong, TurnOptions, TurnTarget
 
     options = TurnOptions(max_new_tokens=max_new_tokens)
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # Typed bytes that are not UTF-8 become lone surrogates, so that message is refused and
+        # the REPL goes on (as in Python's UTF-8 mode); strict decoding (a UTF-8 locale) ended
+        # the command, blaming its arguments.
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             message = input("you> ").strip()

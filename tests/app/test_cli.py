@@ -23,6 +23,7 @@ from typer.testing import CliRunner, Result
 from app.cli import app
 from app.cli.output import shown as shown_text
 from cache.serialization import FORMAT_VERSION
+from sessions import MAX_MESSAGE_CHARS
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from sessions.replicas.ownership import SessionOwnership
@@ -571,6 +572,46 @@ def test_chat_with_a_system_prompt_over_the_context_exits_at_the_first_message(c
     assert assert_one_line_error(result).startswith("error: system prompt too long")
     assert "you> " in result.stdout and result.stdout.count("you> ") == 1
     assert cli.json("sessions", "list") == []
+
+
+@pytest.mark.parametrize(
+    ("system", "says"),
+    [
+        ("caf\udce9", "--system is not valid Unicode text"),  # a Latin-1 byte in argv, as Python decodes it
+        ("x" * (MAX_MESSAGE_CHARS + 1), f"--system longer than {MAX_MESSAGE_CHARS:,} characters"),
+    ],
+    ids=["not utf-8", "over the message limit"],
+)
+def test_chat_with_a_system_prompt_that_cannot_be_stored_exits_before_the_first_message(
+    cli: Cli, system: str, says: str
+) -> None:
+    """The new session would refuse it at every message, each refusal blaming nothing the user
+    typed: refused at once (exit 2, one line), before the model loads or the REPL asks."""
+    cli.ok("tenants", "create", "acme")
+    result = cli("chat", "--tenant", "acme", "--system", system, input="Hello\nAgain\n")
+    assert assert_one_line_error(result).startswith(f"error: {says}")
+    assert "you> " not in result.stdout
+    assert cli.json("sessions", "list") == []
+
+
+def test_chat_refuses_a_typed_message_that_is_not_utf8_and_goes_on_under_a_strict_utf8_locale(
+    cli: Cli, cli_env: dict[str, str | None]
+) -> None:
+    """A real process with stdin decoded strictly (as under en_US.UTF-8, outside Python's UTF-8
+    mode): a pasted Latin-1 line is that message's error, not the end of the command."""
+    cli.ok("tenants", "create", "acme")
+    env = {name: value for name, value in {**os.environ, **cli_env}.items() if value is not None}
+    env.update(PYTHONIOENCODING="utf-8:strict", PYTHONUTF8="0", PYTHONPATH=os.getcwd())
+    command = [sys.executable, "-c", "from app.cli import main; main()", "chat", "--tenant", "acme"]
+    done = subprocess.run(
+        [*command, "--max-new-tokens", "3"], input=b"caf\xe9\nHello\n", capture_output=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.decode().splitlines() == [
+        "error: message is not valid Unicode text (it contains a lone surrogate)"
+    ]
+    assert done.stdout.count(b"you> ") == 3 and b"(new)" in done.stdout
+    assert [s["message_count"] for s in cli.json("sessions", "list")] == [2]
 
 
 def test_chat_bad_input(cli: Cli) -> None:

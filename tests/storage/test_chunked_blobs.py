@@ -180,3 +180,32 @@ def test_frames_of_the_wrong_length_and_headers_no_frame_has_are_rejected() -> N
         ChunkedHeader.parse(huge)
     with pytest.raises(ValueError, match="chunk_bytes"):
         seal_chunked(KEY, b"x", AAD, chunk_bytes=0)
+
+
+def resident_mib() -> float:
+    """This process's resident memory (`/proc/self/statm`), in MiB."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def fails_after(chunks: list[bytes], taken: int) -> Iterator[bytes]:
+    """`chunks`, failing as a reader does when Redis loses the rest (a `BlobNotFound` there)."""
+    yield from chunks[:taken]
+    raise ConnectionError("the reader lost the rest")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="resident memory is read from Linux's /proc")
+@pytest.mark.parametrize("failure", ["the last chunk tampered with", "the reader failing half way"])
+def test_a_restore_that_fails_half_way_unmaps_its_payload_buffer_while_its_error_is_still_held(failure: str) -> None:
+    """A large payload's buffer is mapped with its pages populated (`payload_buffer`); the failed
+    open's traceback holds its frame, so without unmapping on the way out the mapping lived as
+    long as the error did (a log record, a handler still running, `excinfo` here)."""
+    payload_mib = 48
+    head, chunks = pieces(seal_chunked(KEY, os.urandom(payload_mib * 2**20), AAD))
+    chunks[-1] = bytes([chunks[-1][0] ^ 1]) + chunks[-1][1:]
+    source = chunks if failure.startswith("the last") else fails_after(chunks, len(chunks) // 2)
+    before = resident_mib()
+    with pytest.raises((AuthenticationFailed, ConnectionError)) as excinfo:
+        open_chunked(KEY, head, source, (AAD,), max_payload_bytes=2**30)
+    held = resident_mib() - before
+    assert held < payload_mib / 4, f"{held:.0f} MiB still resident while {excinfo.type.__name__} is held"

@@ -10,7 +10,9 @@ import hashlib
 import os
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -113,6 +115,54 @@ def test_a_rewrite_deletes_the_chunks_of_the_blob_it_replaced(
     assert store.get(S1) == b"a whole value, as blobs sealed before chunking are"
     with pytest.raises(ValueError, match="malformed chunked blob"):
         store.put(S1, second[:-1])
+
+
+def test_two_replicas_writing_one_session_while_it_is_read_leave_one_whole_blob_and_its_row(
+    rows: MetadataStore, redis_url: str, redis_prefix: str
+) -> None:
+    """Rows are keyed by the manifest's digest: two seals of the same payload differ (a random
+    blob id), so a reader that finds a chunk gone deletes the row only if it still records the
+    write it read, never the other replica's newer one. Two replicas (a store and a client
+    each) write the session over and over while a third reads it: whatever interleaving, once
+    they stop the row is there, Redis holds one blob and its chunks alone, and it opens."""
+    clients = [connect_redis(redis_url, timeout_s=5.0) for _ in range(3)]
+    try:
+        stores = [make_store(client, rows, redis_prefix) for client in clients]
+        payloads = [os.urandom(6 * CHUNK + 7), os.urandom(9 * CHUNK + 11)]  # one per writer
+
+        def write(store: RedisBlobStore[Key], payload: bytes) -> None:
+            for _ in range(40):
+                store.put(S1, seal_chunked(DATA_KEY, payload, aad(S1), chunk_bytes=CHUNK))
+
+        reads = Counter[str]()
+        with ThreadPoolExecutor(2) as pool:
+            writers = [pool.submit(write, stores[i], payloads[i]) for i in range(2)]
+            while not all(writer.done() for writer in writers):
+                try:
+                    reads["whole" if opened(stores[2], S1) in payloads else "wrong"] += 1
+                except BlobNotFound:
+                    reads["missing"] += 1  # a chunk deleted by the next write during the read
+            for writer in writers:
+                writer.result()  # a writer's error, raised here
+        assert reads["wrong"] == 0, reads
+        row = rows.get_blob(tenant_id="tn_a", name="s_1", location=LOCATION)
+        assert row is not None
+        assert opened(stores[2], S1) in payloads
+        manifest = clients[2].get(stores[2].redis_key(S1))
+        assert isinstance(manifest, bytes)
+        held = sorted([stores[2].redis_key(S1), *chunk_keys(stores[2], S1, manifest)])
+        assert keys_of(clients[2], redis_prefix) == held
+        # A reader holding the row of one seal (as `read` does before it finds a chunk gone) must
+        # not delete the row of another replica's later seal of the very same payload.
+        stores[0].put(S1, seal_chunked(DATA_KEY, payloads[0], aad(S1), chunk_bytes=CHUNK))
+        read_row = rows.get_blob(tenant_id="tn_a", name="s_1", location=LOCATION)
+        stores[1].put(S1, seal_chunked(DATA_KEY, payloads[0], aad(S1), chunk_bytes=CHUNK))
+        assert read_row is not None
+        assert not rows.delete_blob(tenant_id="tn_a", name="s_1", location=LOCATION, checksum=read_row.checksum)
+        assert opened(stores[2], S1) == payloads[0]
+    finally:
+        for client in clients:
+            client.close()
 
 
 def reject(store: RedisBlobStore[Key], key: Key) -> None:
@@ -314,5 +364,30 @@ def test_cluster_round_trip_of_a_chunked_blob_on_one_node(
         assert keys_of(client, redis_cluster_prefix) == sorted(expected)
         store.delete(OTHER)
         assert keys_of(client, redis_cluster_prefix) == []
+    finally:
+        client.close()
+
+
+def test_chunks_are_read_from_a_cluster_node_the_client_has_no_connection_to_yet(
+    rows: MetadataStore, redis_cluster_url: str, redis_cluster_prefix: str
+) -> None:
+    """A MOVED reply to another thread's command names a node the client did not know (a slot
+    resharded to a new node): redis-py adds it without a connection, made when a command is
+    first routed there. A restore that had read its manifest before reads its chunks from that
+    node (the state is set as redis-py leaves it: a node whose `redis_connection` is `None`)."""
+    client = connect_redis(redis_cluster_url, cluster=True, timeout_s=TIMEOUT_S)
+    assert isinstance(client, redis.RedisCluster)
+    try:
+        store = make_store(client, rows, redis_cluster_prefix)
+        payload, blob = frame(S1)
+        store.put(S1, blob)
+        pieces = store.read(S1)
+        head = next(pieces)  # the manifest, read through the client
+        node = client.get_node_from_key(store.redis_key(S1))
+        assert node.redis_connection is not None
+        node.redis_connection.close()
+        node.redis_connection = None
+        opened_payload = open_chunked(DATA_KEY, head, pieces, [aad(S1)], max_payload_bytes=MAX_PAYLOAD)
+        assert bytes(opened_payload) == payload
     finally:
         client.close()
