@@ -501,6 +501,7 @@ def run_quality(
     refused = {p: dict.fromkeys(FRACTIONS, 0) for p in POLICIES}
     impossible = {p: dict.fromkeys(FRACTIONS, 0) for p in POLICIES}
     full_sizes, checks = [], []
+    padding: dict[str, dict[float, list[float]]] = {s: {f: [] for f in FRACTIONS} for s in SCORERS}
     for c in range(count):
         began = time.perf_counter()
         history, finals = scbench_messages(c, doc_paragraphs, turns)
@@ -578,6 +579,8 @@ def run_quality(
                 for scorer in SCORERS:
                     for allocation in ALLOCATIONS:
                         mask = kept_own_mask(whole, scores[scorer], excess, kept_recent, allocation)
+                        if allocation == "per_head":
+                            padding[scorer][fraction].append(_padded_share(mask))
                         logp = masked_log_probs(engine, whole, mask, user, reply)
                         top1, kl = agreement(refs[k], logp)
                         _add(compressed[f"{scorer} {allocation}"][fraction][k], whole.total_tokens - excess, top1, kl)
@@ -599,10 +602,19 @@ def run_quality(
         "ttft": ttft,
         "costs": costs,
         "mask_check_max_abs_logp": checks,
+        "per_head_padding": padding,
         "mean_full_tokens": sum(full_sizes) / len(full_sizes),
         "refused": refused,
         "impossible": impossible,
     }
+
+
+def _padded_share(mask: torch.Tensor) -> float:
+    """Own tokens a rectangular cache would hold for a per-head kept mask `[layers, kv_heads, own]`
+    (each model layer's heads padded to its longest), over the tokens kept: what serving Ada-KV's
+    ragged counts in `[1, kv_heads, n, head_dim]` tensors would cost (1.0: no padding)."""
+    counts = mask.sum(dim=-1)  # [layers, kv_heads]
+    return float(counts.max(dim=1).values.sum() * counts.shape[1] / counts.sum().clamp(min=1))
 
 
 SCORERS = ("attention", "querylog", "kvzip", "kvzip whole")
@@ -822,6 +834,13 @@ def print_quality(quality: dict[str, Any], count: int) -> None:
             f"{_mean(costs['kvzip whole']) * 1000:.0f} ms "
             f"({len(costs['turn'])} turns, {len(costs['kvzip whole'])} contexts)"
         )
+    padding = quality["per_head_padding"]
+    print_table(
+        "Per-head (Ada-KV) counts padded to each model layer's longest head: own tokens held over tokens kept "
+        "(mean; what rectangular tensors would spend)",
+        ["scores", *(f"{f:.0%}" for f in FRACTIONS)],
+        [[s, *(f"{_mean(padding[s][f]):.2f}x" if padding[s][f] else "-" for f in FRACTIONS)] for s in SCORERS],
+    )
     checks = quality["mask_check_max_abs_logp"]
     if checks:
         print(
