@@ -39,7 +39,30 @@ DEFAULT_POOL_KERNEL = 7
 """Neighbourhood of the max-pool over scores (SnapKV pools with kernels 5-7)."""
 
 
-class ObservationWindow:
+class _QueryObservers:
+    """Attaches `_observer(index)` as the query observer of every full-attention model layer of a
+    working cache for a `with` block (the packed attention calls it with each chunk's query states,
+    RoPE applied, and the layer's scaling). A sliding-window layer gets none: its own window is the
+    hard limit of what it holds, which eviction never touches."""
+
+    def __init__(self, working: WorkingCache) -> None:
+        self._layers: list[PreallocatedLayer] = working.prealloc_layers
+
+    def __enter__(self) -> Self:
+        for index, layer in enumerate(self._layers):
+            if layer.window is None:
+                layer.query_observer = self._observer(index)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self._layers:
+            layer.query_observer = None
+
+    def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
+        raise NotImplementedError
+
+
+class ObservationWindow(_QueryObservers):
     """Captures the last `window_tokens` query states of every full-attention model layer while a
     prefill runs. A sliding-window layer gets no observer: its own window is the hard limit of what
     it holds, which eviction never touches, so nothing past it is ever scored (or captured).
@@ -58,20 +81,10 @@ class ObservationWindow:
     def __init__(self, working: WorkingCache, window_tokens: int) -> None:
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        super().__init__(working)
         self.window_tokens = window_tokens
-        self._layers: list[PreallocatedLayer] = working.prealloc_layers
         self._queries: list[torch.Tensor | None] = [None] * len(self._layers)
         self._scaling: float | None = None
-
-    def __enter__(self) -> Self:
-        for index, layer in enumerate(self._layers):
-            if layer.window is None:
-                layer.query_observer = self._observer(index)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for layer in self._layers:
-            layer.query_observer = None
 
     def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
         def capture(query: torch.Tensor, scaling: float | None) -> None:
@@ -227,7 +240,7 @@ def _max_attention_on_device(query: torch.Tensor, keys: torch.Tensor, scaling: f
     return best
 
 
-class ReconstructionScores:
+class ReconstructionScores(_QueryObservers):
     """KVzip's importance of cached KV pairs (Kim et al., "KVzip: Query-Agnostic KV Cache Compression
     with Context Reconstruction", NeurIPS 2025): while a prompt that makes the model repeat its
     context is prefilled on top of the cache, each cached pair's score is the largest attention
@@ -252,19 +265,9 @@ class ReconstructionScores:
     def __init__(self, working: WorkingCache, cached_tokens: int) -> None:
         if cached_tokens < 0:
             raise ValueError(f"cached_tokens must be >= 0, got {cached_tokens}")
+        super().__init__(working)
         self.cached_tokens = cached_tokens
-        self._layers: list[PreallocatedLayer] = working.prealloc_layers
         self._best: list[torch.Tensor | None] = [None] * len(self._layers)
-
-    def __enter__(self) -> Self:
-        for index, layer in enumerate(self._layers):
-            if layer.window is None:
-                layer.query_observer = self._observer(index)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for layer in self._layers:
-            layer.query_observer = None
 
     def _observer(self, index: int) -> Callable[[torch.Tensor, float | None], None]:
         layer = self._layers[index]
