@@ -88,13 +88,10 @@ def _repl(
         try:
             turn = manager.run_turn(tenant_id, target, message, options)
             reply = _stream_turn(turn)
-        except ContextTooLong as exc:
-            if session is None and exc.what == "system prompt":
+        except ChatKVError as exc:  # the REPL survives a rejected message (too long, busy session)
+            if session is None and isinstance(exc, ContextTooLong) and exc.what == "system prompt":
                 # Not this message's fault: every message would be refused for the same --system.
                 raise CLIError(f"{exc} (--system)", 2) from None
-            typer.echo(f"error: {exc}", err=True)
-            continue
-        except ChatKVError as exc:  # the REPL survives a rejected message (too long, busy session)
             typer.echo(f"error: {exc}", err=True)
             continue
         if session is None:
