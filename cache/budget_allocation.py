@@ -1,28 +1,22 @@
-"""How an eviction's kept tokens are allocated across KV heads and model layers, as masks.
+"""How an eviction's kept tokens are allocated across KV heads and model layers, as masks over the
+unevicted cache, for `benchmarks/window_quality.py` (kept keys keep their RoPE positions under every
+policy, so masking a slot out of attention equals evicting it).
 
-`cache.token_eviction` keeps the same number of tokens in every KV head and full model layer
-(`uniform`), so the own tensors stay rectangular and the layer table describes every head. Two
-allocations from the literature spend the same total differently:
-
-- `per_head` (Ada-KV: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
-  Allocation for Efficient LLM Inference", 2024): within each model layer, the layer's total
-  (`kv_heads * keep`) goes to the highest scores over all its heads together, so a head whose
-  attention is concentrated on few tokens gives budget to one whose attention is spread. Each head
-  first reserves `floor_share * keep` of its own top tokens (Ada-KV's safeguard, alpha = 0.2), so
-  no head is emptied.
+- `uniform` and `per_head` are served (`cache.token_eviction.evict_by_scores`): every head of
+  every layer keeps the same count of each turn layer, or (Ada-KV: Feng et al., "Ada-KV:
+  Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference", 2024)
+  a layer's heads share its total by score, stored ragged. Their masks are read back from the
+  served eviction.
 - `per_layer` (PyramidKV: Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
-  Information Funneling", 2024): lower model layers, whose attention is spread, keep more; higher
-  ones, whose attention funnels onto few tokens, keep fewer; an arithmetic sequence from
-  `2 * keep - keep / beta` down to `keep / beta` (beta = 20, PyramidKV's), summing to
-  `full_layers * keep`; within a layer every head keeps its own top tokens.
+  Information Funneling", 2024) is measured only (it lost to uniform in every run): lower model
+  layers, whose attention is spread, keep more; higher ones, whose attention funnels onto few
+  tokens, keep fewer; an arithmetic sequence from `2 * keep - keep / beta` down to `keep / beta`
+  (beta = 20, PyramidKV's), summing to `full_layers * keep`; within a layer every head keeps its
+  own top tokens.
 
-Both hold ragged counts (per head, per layer), which the session cache's rectangular tensors and
-single layer table cannot (`SessionCache`); so they are computed here as a kept mask over the own
-slots, and measured by masking attention over the full cache (`benchmarks/window_quality.py`):
-kept keys keep their RoPE positions under every policy, so masking a slot out of attention equals
-evicting it. The base layer, pinned turns and the recent window are kept by every allocation; only
-the evictable slots (`cache.token_eviction.evictable_ranges`) are allocated, with the same total
-in every allocation (same bytes, were they stored ragged).
+The base layer, pinned turns and the recent window are kept by every allocation; only the evictable
+slots (`cache.token_eviction.evictable_ranges`) are allocated, with the same total in every
+allocation (the same bytes).
 
     one full model layer, own slots   | pinned | evictable ..................... | recent |
     uniform     head 0 / head 1       | all    | keep / keep                     | all    |
@@ -35,11 +29,9 @@ from __future__ import annotations
 import torch
 
 from cache.session_cache import SessionCache
-from cache.token_eviction import evictable_ranges, kept_slots
+from cache.token_eviction import evict_by_scores, evictable_ranges, kept_slots
 
 ALLOCATIONS = ("uniform", "per_head", "per_layer")
-ADA_KV_FLOOR_SHARE = 0.2
-"""Ada-KV's safeguard alpha: each head keeps at least this share of the uniform count."""
 PYRAMID_BETA = 20.0
 """PyramidKV's beta: the top model layer keeps `keep / beta` tokens per head."""
 
@@ -83,42 +75,20 @@ def kept_own_mask(
     mask[:, :, index] = False
     candidates = scores[:, :, cache.base_tokens :].float()[:, :, index]  # [L, kv, evictable]
     keep = index.numel() - evict_tokens
+    if allocation == "per_head":  # the served eviction, read back as a mask
+        evicted = evict_by_scores(cache, scores, evict_tokens, recent_tokens, "per_head")
+        mask[:, :, :] = False
+        for row, layer in enumerate(cache.full_layers):
+            held = cache.head_stream_index(layer)
+            for head, kept in enumerate(evicted.head_stream_index(layer)):
+                mask[row, head, torch.searchsorted(held[head], kept)] = True
+        return mask
     for row in range(layers_n):
-        if allocation == "per_head":
-            chosen = _ada_kv_choice(candidates[row], keep)
-        else:
-            count = layer_budgets(layers_n, keep, index.numel())[row]
-            chosen = torch.zeros_like(candidates[row], dtype=torch.bool)
-            chosen.scatter_(-1, candidates[row].topk(count, dim=-1).indices, True)
+        count = layer_budgets(layers_n, keep, index.numel())[row]
+        chosen = torch.zeros_like(candidates[row], dtype=torch.bool)
+        chosen.scatter_(-1, candidates[row].topk(count, dim=-1).indices, True)
         mask[row][:, index] = chosen
     return mask
-
-
-def _ada_kv_choice(scores: torch.Tensor, keep: int, floor_share: float = ADA_KV_FLOOR_SHARE) -> torch.Tensor:
-    """`scores [kv_heads, n]` -> `[kv_heads, n]` bool, `kv_heads * keep` True: each head's top
-    `floor_share * keep`, then the highest remaining scores over all heads together (Ada-KV)."""
-    kv_heads = scores.shape[0]
-    chosen = torch.zeros_like(scores, dtype=torch.bool)
-    floor = int(floor_share * keep)
-    if floor:
-        chosen.scatter_(-1, scores.topk(floor, dim=-1).indices, True)
-    rest = kv_heads * (keep - floor)
-    if rest:
-        free = scores.masked_fill(chosen, float("-inf")).flatten()
-        chosen.view(-1)[free.topk(rest).indices] = True
-    return chosen
-
-
-def head_budgets(scores: torch.Tensor, keep: int, floor_share: float = ADA_KV_FLOOR_SHARE) -> torch.Tensor:
-    """Ada-KV's per-head counts for one model layer: `scores [kv_heads, n]` float, `0 <= keep <= n`
-    -> `[kv_heads]` int64 tokens each head keeps, summing to `kv_heads * keep`.
-
-    Raises:
-        ValueError: if `keep` is outside `[0, n]`.
-    """
-    if not 0 <= keep <= scores.shape[-1]:
-        raise ValueError(f"cannot keep {keep} of {scores.shape[-1]} tokens per head")
-    return _ada_kv_choice(scores.float(), keep, floor_share).sum(dim=-1)
 
 
 def layer_budgets(layers: int, keep: int, cap: int, beta: float = PYRAMID_BETA) -> list[int]:

@@ -11,14 +11,21 @@ Tensor names, per model layer `l`:
     idx.{l}                            int32 `[kv_heads, own_tokens]`: the stream index each head
                                        holds, once tokens were evicted (`own_stream_index`)
 
+A ragged model layer (per-head budgets, `SessionCache.own_head_tokens`) stores its heads' slots one
+after another, `k.{l}` `[1, 1, n_0 + ... + n_{h-1}, head_dim]` and `idx.{l}` `[1, n_0 + ...]`, with
+the counts in the header (`head_tokens`): the bytes of the tokens it holds, no padding. A lossy
+precision applies to its unpinned slots older than each head's last `residual_tokens`
+(`lossy_ranges_by_layer`, over its flat slots).
+
 A sliding-window model layer (`SessionCache.windows`) stores its tail, `[1, kv_heads, n_l,
 head_dim]` with its own `n_l <= W - 1`, always exact (a lossy precision applies to the full layers'
 unpinned turn tokens only; a tail is at most W - 1 tokens).
 
 Format versions: 2 added `idx.{l}` and each layer's `evicted_tokens`; 3 added `windows` (each model
-layer's sliding window or null) and per-layer lengths. Version-1 and -2 blobs still decode for a
-model whose every layer is full attention; for a model with sliding layers they are rejected (their
-KV was computed by an attention that saw past the windows) and the session rebuilds.
+layer's sliding window or null) and per-layer lengths; 4 added ragged layers (`head_tokens`).
+Version-1 and -2 blobs still decode for a model whose every layer is full attention; for a model
+with sliding layers they are rejected (their KV was computed by an attention that saw past the
+windows) and the session rebuilds.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ from cache.ids import PrefixKey
 from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
 from cache.session_cache import BaseLayer, LayerSpan, SessionCache
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+_LAYER_WINDOW_VERSIONS = (3, 4)
+"""Versions that record each model layer's attention kind (needed for a model with sliding layers)."""
 _DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -100,19 +109,26 @@ def session_cache_to_tensors(
     cache: SessionCache, precision: str = "exact", residual_tokens: int = 0
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Flatten a session cache (its own tokens and the base reference, never the base tensors)."""
-    mask = _lossy_mask(cache, precision, residual_tokens)
+    # A ragged cache's full layers are all ragged (`_ragged_lossy_mask`); its table counts are averages.
+    mask = [False] * cache.own_tokens if cache.ragged else _lossy_mask(cache, precision, residual_tokens)
     lossy = torch.tensor(mask, dtype=torch.bool)
-    any_lossy = bool(lossy.any())
     tensors: dict[str, torch.Tensor] = {}
+    ragged_ranges: dict[str, list[tuple[int, int]]] = {}
+    lossy_streams: list[torch.Tensor] = []
     for index, (keys, values) in enumerate(zip(cache.own_keys, cache.own_values, strict=True)):
+        layer_lossy = lossy
+        if cache.ragged_counts(index) is not None:
+            layer_lossy = _ragged_lossy_mask(cache, index, precision, residual_tokens)
+            ragged_ranges[str(index)] = _ranges(layer_lossy.tolist())
+            lossy_streams.append(torch.cat(cache.head_stream_index(index))[layer_lossy])
         for name, tensor in (("k", keys), ("v", values)):
             cpu = tensor.detach().to("cpu")
-            if not any_lossy or cache.window_of(index) is not None:
+            if not bool(layer_lossy.any()) or cache.window_of(index) is not None:
                 tensors[f"{name}.{index}"] = cpu.contiguous()  # no copy for an exact cache
                 continue
-            tensors[f"{name}.{index}"] = cpu[:, :, ~lossy].contiguous()
-            if lossy.any():
-                q = quantize(cpu[:, :, lossy], precision, is_key=name == "k")
+            tensors[f"{name}.{index}"] = cpu[:, :, ~layer_lossy].contiguous()
+            if layer_lossy.any():
+                q = quantize(cpu[:, :, layer_lossy], precision, is_key=name == "k")
                 tensors[f"{name}q.{index}.codes"] = q.codes.contiguous()
                 tensors[f"{name}q.{index}.scale"] = q.scale.contiguous()
                 if q.zero is not None:
@@ -121,6 +137,14 @@ def session_cache_to_tensors(
         tensors[f"idx.{index}"] = stream.to("cpu", torch.int32).contiguous()
     lossy_ranges = _ranges(mask)
     layers = [_mark_precision(span, lossy_ranges, precision) for span in _own_spans_with_offsets(cache.layers)]
+    if lossy_streams:  # a ragged layer's lossy slots, by the turn layer their tokens belong to
+        streams = torch.cat(lossy_streams)
+        layers = [
+            replace(span, precision=precision)
+            if bool(((streams >= span.original_start) & (streams < span.original_start + span.original_tokens)).any())
+            else span
+            for span in layers
+        ]
     header = {
         "format_version": FORMAT_VERSION,
         "kind": "session",
@@ -135,8 +159,34 @@ def session_cache_to_tensors(
         "transcript_digest": cache.transcript_digest,
         "rendering_digest": cache.rendering_digest,
         "windows": list(cache.windows),
+        "head_tokens": None
+        if not cache.ragged
+        else [None if c is None else list(c) for c in cache.own_head_tokens or ()],
+        "lossy_ranges_by_layer": ragged_ranges,
     }
     return tensors, header
+
+
+def _ragged_lossy_mask(cache: SessionCache, layer: int, precision: str, residual_tokens: int) -> torch.Tensor:
+    """`[n_0 + ... + n_{h-1}]` bool over a ragged layer's slots: quantised under `precision` (an
+    unpinned turn's token, older than the head's last `residual_tokens`; for int4 a whole number of
+    KIVI token groups, the newest of the rest exact)."""
+    if precision == "exact":
+        return torch.zeros(sum(cache.head_tokens(layer)), dtype=torch.bool)
+    pinned = torch.zeros(cache.next_original_index, dtype=torch.bool)
+    for span in cache.layers:
+        if span.pinned:
+            pinned[span.original_start : span.original_start + span.original_tokens] = True
+    heads = []
+    for stream in cache.head_stream_index(layer):
+        n = stream.numel()
+        heads.append(~pinned[stream] & (torch.arange(n) < n - residual_tokens))
+    mask = torch.cat(heads)
+    if precision == "int4":
+        tail = int(mask.sum()) % int4_token_multiple()
+        if tail:
+            mask[mask.nonzero().flatten()[-tail:]] = False
+    return mask
 
 
 def _own_spans_with_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int]]:
@@ -169,7 +219,7 @@ def session_cache_from_tensors(
     """
     expected = list(windows) if any(w is not None for w in windows) else []
     version = header.get("format_version")
-    if version != FORMAT_VERSION and expected:
+    if version not in _LAYER_WINDOW_VERSIONS and expected:
         raise MalformedCache(f"format {version!r} predates per-layer attention kinds; this model has sliding layers")
     if list(header.get("windows", [])) != expected:
         raise MalformedCache(f"the blob's layer windows {header.get('windows')} are not the model's {expected}")
@@ -194,18 +244,27 @@ def _session_cache_from_tensors(
     any_lossy = bool(mask.any())
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
+    head_tokens = header.get("head_tokens")
+    by_layer = header.get("lossy_ranges_by_layer", {})
     for index in range(int(header["num_model_layers"])):
+        layer_mask, layer_lossy, slots = mask, any_lossy, held
+        if head_tokens is not None and head_tokens[index] is not None:
+            slots = sum(int(n) for n in head_tokens[index])
+            layer_mask = torch.zeros(slots, dtype=torch.bool)
+            for start, end in by_layer.get(str(index), []):
+                layer_mask[start:end] = True
+            layer_lossy = bool(layer_mask.any())
         for name, out in (("k", keys), ("v", values)):
             exact = tensors[f"{name}.{index}"]
             full = exact  # an exact cache (or a sliding layer's tail) is used as is
-            if any_lossy and not (windows and windows[index] is not None):
-                full = exact.new_empty((*exact.shape[:2], held, exact.shape[3]))
-                full[:, :, ~mask] = exact
-                shape = (*exact.shape[:2], int(mask.sum()), exact.shape[3])
+            if layer_lossy and not (windows and windows[index] is not None):
+                full = exact.new_empty((*exact.shape[:2], slots, exact.shape[3]))
+                full[:, :, ~layer_mask] = exact
+                shape = (*exact.shape[:2], int(layer_mask.sum()), exact.shape[3])
                 zero = tensors.get(f"{name}q.{index}.zero")
                 scheme = "int8" if zero is None else ("int4_channel" if name == "k" else "int4_token")
                 q = Quantized(tensors[f"{name}q.{index}.codes"], tensors[f"{name}q.{index}.scale"], zero, shape, scheme)
-                full[:, :, mask] = dequantize(q, dtype)
+                full[:, :, layer_mask] = dequantize(q, dtype)
             if full.dtype != dtype:
                 raise MalformedCache(f"tensor {name}.{index} is {full.dtype}, header says {dtype}")
             out.append(to_device(full, device))
@@ -224,6 +283,9 @@ def _session_cache_from_tensors(
         rendering_digest=str(header.get("rendering_digest", "")),
         own_stream_index=stream_index,
         windows=windows,
+        own_head_tokens=None
+        if head_tokens is None
+        else tuple(None if c is None else tuple(int(n) for n in c) for c in head_tokens),
     )
 
 

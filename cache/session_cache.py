@@ -21,6 +21,23 @@ Storage shapes, per model layer `l`: the shared base holds `[1, kv_heads, base_t
 the session's own tokens (pinned turns and turn layers, in order) are one tensor pair
 `own_keys[l]`, `own_values[l]` of shape `[1, kv_heads, own_tokens, head_dim]` in the model's dtype.
 
+Under per-head budgets (`cache.token_eviction`, Ada-KV) the KV heads of a full-attention model
+layer hold different numbers of tokens. Such a layer is stored **ragged**: its heads' slots one
+after another in one `[1, 1, n_0 + ... + n_{h-1}, head_dim]` tensor (a rectangular layer is the
+same memory with equal counts), with the counts in `own_head_tokens[l]`; so the session holds, and
+every tier stores and counts, exactly the tokens it keeps. Only a turn's working buffer is
+rectangular: each head's own slots are followed by a **hole** up to the longest head's, masked out
+of attention (`PreallocatedLayer.head_valid`), and the turn's new tokens follow at common slots:
+
+    ragged layer, stored     | head 0: n_0 ....... | head 1: n_1 ... | head 2: n_2 ..... |
+    working buffer, head 0   | base | n_0 .......           | new tokens ...
+                   head 1   | base | n_1 ... | hole (masked) | new tokens ...
+    after the turn, stored   | head 0: n_0 + new | head 1: n_1 + new | head 2: n_2 + new |
+
+The layer table then counts each turn layer's tokens per head on average over the heads and full
+model layers (`LayerSpan.token_count`; every full model layer holds `kv_heads * own_tokens` in
+all), and `own_stream_index` says which token each slot holds.
+
 Model layers differ by attention kind (`SessionCache.windows`). A full-attention layer holds every
 token of the layer table. A sliding-window layer of window W (a query sees itself and the W - 1
 tokens before it) holds only its **tail**: the own tokens at the last `n` RoPE positions before
@@ -157,7 +174,10 @@ class SessionCache:
         own_stream_index: `None` while no token was evicted (cache slot `i` of a layer holds its
             token `i`); else per model layer a `[kv_heads, own_tokens]` int64 tensor (on the CPU)
             of the conversation-stream index of the token each head holds in each slot, ascending
-            within each layer.
+            within each layer (a ragged layer's: `[1, n_0 + ... + n_{h-1}]`, head by head).
+        own_head_tokens: `None` while every layer is rectangular; else per model layer `None`
+            (rectangular) or the tokens each KV head of that ragged full-attention layer holds
+            (module docstring), summing to `kv_heads * own_tokens`.
     """
 
     base_key: PrefixKey | None
@@ -181,8 +201,10 @@ class SessionCache:
     own_scores: tuple[torch.Tensor, ...] | None = field(default=None, compare=False)
     """Importance of the held own tokens under the `agnostic` window policy (`cache.attention_scores.
     QueryLog`): per full-attention model layer (`full_layers` order) a `[kv_heads, own_tokens]`
-    float32 CPU tensor, accumulated when turns commit; `None` when not scored (another policy, or
-    a cache restored from a blob, which does not store them)."""
+    float32 CPU tensor (a ragged layer's: `[1, n_0 + ... + n_{h-1}]`), accumulated when turns
+    commit; `None` when not scored (another policy, or a cache restored from a blob, which does
+    not store them)."""
+    own_head_tokens: tuple[tuple[int, ...] | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if sum(span.original_tokens for span in self.layers) != len(self.own_token_ids):
@@ -194,11 +216,17 @@ class SessionCache:
             raise RuntimeError(f"bug: {len(self.windows)} layer windows for {len(self.own_keys)} model layers")
         held = sum(span.token_count for span in self.layers)
         span = self.next_position - self.base_tokens
+        if self.own_head_tokens is not None and len(self.own_head_tokens) != len(self.own_keys):
+            raise RuntimeError(f"bug: head counts for {len(self.own_head_tokens)} of {len(self.own_keys)} model layers")
         for index, (keys, values) in enumerate(zip(self.own_keys, self.own_values, strict=True)):
             tokens, window = keys.shape[-2], self.window_of(index)
+            counts = self.ragged_counts(index)
             # A full layer holds the table's tokens; a sliding one at least its window (or every own
             # position, fewer), at most every own position: a shorter tail would attend to less.
-            fits = tokens == held if window is None else min(window - 1, span) <= tokens <= span
+            if counts is not None:
+                fits = window is None and keys.shape[1] == 1 and tokens == sum(counts) == len(counts) * held
+            else:
+                fits = tokens == held if window is None else min(window - 1, span) <= tokens <= span
             if not fits or values.shape[-2] != tokens:
                 raise RuntimeError(
                     f"bug: model layer {index} holds {tokens} own keys and {values.shape[-2]} values; the layer "
@@ -221,6 +249,50 @@ class SessionCache:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of model layer `layer`, or `None` for full attention."""
         return self.windows[layer] if self.windows else None
+
+    def ragged_counts(self, layer: int) -> tuple[int, ...] | None:
+        """The tokens each KV head of model layer `layer` holds when it is stored ragged, else `None`."""
+        return self.own_head_tokens[layer] if self.own_head_tokens is not None else None
+
+    def kv_heads(self, layer: int) -> int:
+        """KV heads of model layer `layer`."""
+        counts = self.ragged_counts(layer)
+        return len(counts) if counts is not None else self.own_keys[layer].shape[1]
+
+    def head_tokens(self, layer: int) -> tuple[int, ...]:
+        """Own tokens each KV head of model layer `layer` holds (all equal unless ragged)."""
+        counts = self.ragged_counts(layer)
+        if counts is not None:
+            return counts
+        return (self.own_keys[layer].shape[-2],) * self.own_keys[layer].shape[1]
+
+    def head_rows(self, layer: int, rows: torch.Tensor) -> list[torch.Tensor]:
+        """A per-slot tensor of model layer `layer` (its `own_stream_index` or `own_scores` row:
+        `[kv_heads, n]`, or a ragged layer's `[1, n_0 + ...]`) split into one `[n_h]` per KV head."""
+        counts = self.ragged_counts(layer)
+        return split_heads(rows[0], counts) if counts is not None else list(rows)
+
+    def head_stream_index(self, layer: int) -> list[torch.Tensor]:
+        """Per KV head of model layer `layer`, the int64 stream index of each own slot it holds."""
+        if self.own_stream_index is not None:
+            return self.head_rows(layer, self.own_stream_index[layer])
+        held = self.own_keys[layer].shape[-2]
+        tail = stream_index_of(self.layers)[-held:] if held else torch.zeros(0, dtype=torch.long)
+        return [tail] * self.kv_heads(layer)
+
+    @property
+    def score_width(self) -> int:
+        """Columns of a scores tensor over this cache (`cache.token_eviction.evict_by_scores`): the
+        base, then the longest KV head's own slots over the full model layers (a ragged layer's
+        working buffer is padded to its longest head; head `h`'s own slot `i` is column
+        `base_tokens + i`). `total_tokens` for a rectangular cache."""
+        longest = max((max(self.head_tokens(i), default=0) for i in self.full_layers), default=0)
+        return self.base_tokens + max(longest, self.own_tokens)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether some model layer is stored ragged (per-head counts differ, module docstring)."""
+        return self.own_head_tokens is not None and any(c is not None for c in self.own_head_tokens)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -275,8 +347,9 @@ class SessionCache:
         working tokens (base part included) plus `extra_tokens`, keys and values."""
         total = 0
         for index, keys in enumerate(self.own_keys):
-            per_token = 2 * keys.shape[1] * keys.shape[3] * keys.element_size()
-            total += (self._from_base(index) + keys.shape[-2] + max(extra_tokens, 1)) * per_token
+            per_token = 2 * self.kv_heads(index) * keys.shape[3] * keys.element_size()
+            longest = max(self.head_tokens(index), default=0)  # a ragged layer's buffer is padded to it
+            total += (self._from_base(index) + longest + max(extra_tokens, 1)) * per_token
         return total
 
     def _from_base(self, layer: int) -> int:
@@ -348,6 +421,10 @@ class SessionCache:
         layers = []
         for index, (own_k, own_v) in enumerate(zip(self.own_keys, self.own_values, strict=True)):
             from_base = self._from_base(index)
+            counts = self.ragged_counts(index)
+            if counts is not None:
+                layers.append(self._ragged_working_layer(index, counts, extra_tokens))
+                continue
             parts_k, parts_v = [own_k], [own_v]
             if from_base and self.base is not None:
                 parts_k.insert(0, self.base.keys[index][:, :, -from_base:])
@@ -359,6 +436,28 @@ class SessionCache:
                 )
             )
         return WorkingCache(layers)
+
+    def _ragged_working_layer(self, index: int, counts: tuple[int, ...], extra_tokens: int) -> PreallocatedLayer:
+        """The working layer of ragged model layer `index`: base, then each head's own slots
+        followed by its hole up to the longest head (`PreallocatedLayer.head_valid` masks it)."""
+        own_k, own_v = self.own_keys[index], self.own_values[index]
+        base = self.base_tokens
+        longest = max(counts)
+        shape = (1, len(counts), base + longest + max(extra_tokens, 1), own_k.shape[-1])
+        key_buffer, value_buffer = own_k.new_zeros(shape), own_v.new_zeros(shape)
+        if base and self.base is not None:
+            key_buffer[:, :, :base].copy_(self.base.keys[index])
+            value_buffer[:, :, :base].copy_(self.base.values[index])
+        valid = torch.ones(len(counts), base + longest, dtype=torch.bool, device=own_k.device)
+        start = 0
+        for head, count in enumerate(counts):
+            key_buffer[0, head, base : base + count].copy_(own_k[0, 0, start : start + count])
+            value_buffer[0, head, base : base + count].copy_(own_v[0, 0, start : start + count])
+            valid[head, base + count :] = False
+            start += count
+        layer = PreallocatedLayer(key_buffer, value_buffer, base + longest, self.next_position - (base + longest))
+        layer.head_valid = valid
+        return layer
 
     def after_turn(
         self,
@@ -376,6 +475,7 @@ class SessionCache:
         buffer so the buffer and the base copy in it are freed.
         """
         next_position = self.next_position + len(appended_token_ids)
+        appended = len(appended_token_ids)
         own_keys, own_values = [], []
         for index, layer in enumerate(working.prealloc_layers):
             if layer.next_position != next_position:
@@ -383,17 +483,30 @@ class SessionCache:
                     f"bug: working layer {index} ends at position {layer.next_position}, expected "
                     f"{self.next_position} + {len(appended_token_ids)}"
                 )
+            counts = self.ragged_counts(index)
+            if counts is not None:  # each head's own slots, then the appended ones past the hole
+                own_slots = self.buffer_own_slots(index, appended)
+                own_keys.append(_gather_heads(layer.filled_keys, own_slots))
+                own_values.append(_gather_heads(layer.filled_values, own_slots))
+                continue
             first = self._own_start(index, layer)
             own_keys.append(layer.filled_keys[:, :, first:].clone())
             own_values.append(layer.filled_values[:, :, first:].clone())
         kept = _spans_before(self.layers, spans)
         stream_index = None
         if self.own_stream_index is not None:
-            new = _appended_stream_index(self.layers, spans, len(appended_token_ids))
-            stream_index = tuple(
-                torch.cat([index, new.expand(index.shape[0], -1)], dim=-1)[:, -keys.shape[-2] :]
-                for index, keys in zip(self.own_stream_index, own_keys, strict=True)
-            )
+            new = _appended_stream_index(self.layers, spans, appended)
+            rows = []
+            for number, (held, keys) in enumerate(zip(self.own_stream_index, own_keys, strict=True)):
+                counts = self.ragged_counts(number)
+                if counts is not None:
+                    rows.append(_append_per_head(held, new, counts))
+                else:
+                    rows.append(torch.cat([held, new.expand(held.shape[0], -1)], dim=-1)[:, -keys.shape[-2] :])
+            stream_index = tuple(rows)
+        head_tokens = None
+        if self.own_head_tokens is not None:
+            head_tokens = tuple(None if c is None else tuple(n + appended for n in c) for c in self.own_head_tokens)
         return replace(
             self,
             own_keys=tuple(own_keys),
@@ -401,10 +514,20 @@ class SessionCache:
             own_token_ids=self.own_token_ids + tuple(appended_token_ids),
             layers=(*kept, *spans),
             own_stream_index=stream_index,
+            own_head_tokens=head_tokens,
             own_scores=None,  # the turn's own scores are added by the caller that logged its queries
             transcript_digest=self.transcript_digest if transcript_digest is None else transcript_digest,
             rendering_digest=self.rendering_digest if rendering_digest is None else rendering_digest,
         )
+
+    def buffer_own_slots(self, layer: int, appended: int = 0) -> list[torch.Tensor]:
+        """Per KV head of full model layer `layer`, the int64 slots (CPU) of its working buffer
+        (`to_working_cache`) that hold the head's own tokens once `appended` more were written:
+        its held ones after the base, then, past a ragged layer's hole, the appended ones."""
+        base, counts = self.base_tokens, self.head_tokens(layer)
+        longest = max(counts, default=0)
+        tail = torch.arange(base + longest, base + longest + appended)
+        return [torch.cat([torch.arange(base, base + n), tail]) for n in counts]
 
     def _own_start(self, index: int, layer: PreallocatedLayer) -> int:
         """First slot of `layer` (model layer `index` of a working cache built from this cache) that
@@ -504,6 +627,24 @@ class SessionCache:
         if first > wanted:
             return None
         return slice(wanted - first, stream_end - first)
+
+
+def _gather_heads(buffer: torch.Tensor, slots: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`buffer [1, kv_heads, T, d]`, per head the slots to take -> `[1, 1, sum, d]` (a copy), head by head."""
+    parts = [buffer[0, head, index.to(buffer.device)] for head, index in enumerate(slots)]
+    return torch.cat(parts)[None, None]
+
+
+def split_heads(flat: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """A ragged layer's `[..., n_0 + ... + n_{h-1}, ...]` tensor (slots on dim -2 for KV, -1 for
+    `[1, N]` indices and scores) split per head: views, in head order."""
+    dim = -2 if flat.dim() == 4 else -1
+    return list(flat.split(list(counts), dim=dim))
+
+
+def _append_per_head(index: torch.Tensor, new: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """A ragged layer's stream index `[1, N]` with `new [a]` appended to every head's slots."""
+    return torch.cat([torch.cat([part, new[None]], dim=-1) for part in split_heads(index, counts)], dim=-1)
 
 
 def span_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int, int]]:

@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from cache.session_cache import LayerSpan, SessionCache, span_offsets, stream_index_of
+from cache.session_cache import LayerSpan, SessionCache, span_offsets, split_heads, stream_index_of
 from cache.working_cache import WorkingCache
 
 
@@ -57,45 +57,205 @@ def evictable_ranges(cache: SessionCache, recent_tokens: int) -> list[tuple[int,
 
 
 def evictable_tokens(cache: SessionCache, recent_tokens: int) -> int:
-    """How many own tokens per KV head may be evicted (see `evictable_ranges`)."""
-    return sum(end - start for _, start, end in evictable_ranges(cache, recent_tokens))
+    """How many own tokens per KV head may be evicted (see `evictable_ranges`); for a ragged
+    cache, the fewest over the full model layers of their heads' evictable slots, on average."""
+    if not cache.ragged:
+        return sum(end - start for _, start, end in evictable_ranges(cache, recent_tokens))
+    pinned = _pinned_stream_mask(cache)
+    return min(
+        (
+            sum(int(m.sum()) for m in _evictable_per_head(cache, layer, pinned, recent_tokens)) // cache.kv_heads(layer)
+            for layer in cache.full_layers
+        ),
+        default=0,
+    )
 
 
-def evict_by_scores(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> SessionCache:
-    """Evict `evict_tokens` tokens from every KV head of every model layer, lowest scores first.
+def _pinned_stream_mask(cache: SessionCache) -> torch.Tensor:
+    """`[next_original_index]` bool: True at the stream index of a pinned turn's token."""
+    mask = torch.zeros(cache.next_original_index, dtype=torch.bool)
+    for span in cache.layers:
+        if span.pinned:
+            mask[span.original_start : span.original_start + span.original_tokens] = True
+    return mask
+
+
+def _evictable_per_head(
+    cache: SessionCache, layer: int, pinned: torch.Tensor, recent_tokens: int
+) -> list[torch.Tensor]:
+    """Per KV head of full model layer `layer`, `[n_h]` bool: its own slots that may be evicted (not
+    a pinned turn's, not among the head's last `recent_tokens`)."""
+    out = []
+    for stream in cache.head_stream_index(layer):
+        n = stream.numel()
+        out.append(~pinned[stream] & (torch.arange(n) < n - recent_tokens))
+    return out
+
+
+BUDGET_ALLOCATIONS = ("uniform", "per_head")
+"""How an eviction spends the kept tokens over KV heads (`evict_by_scores`)."""
+ADA_KV_FLOOR_SHARE = 0.2
+"""Ada-KV's safeguard alpha: each head first keeps this share of its layer's kept tokens per head."""
+
+
+def evict_by_scores(
+    cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int, allocation: str = "uniform"
+) -> SessionCache:
+    """Evict `evict_tokens` tokens per KV head, on average, from every full model layer, lowest
+    scores first.
 
     Only full-attention model layers evict (`SessionCache.full_layers`); a sliding-window layer's
-    tail is its window and stays whole.
+    tail is its window and stays whole. Either way every full model layer then holds
+    `kv_heads * (own_tokens - evict_tokens)` own tokens (the same bytes):
+
+    - `uniform`: every head of every layer keeps the same count of each turn layer (module
+      docstring); the tensors stay rectangular.
+    - `per_head` (Ada-KV: Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+      Allocation for Efficient LLM Inference", 2024): within each model layer, each head first
+      keeps its own top `ADA_KV_FLOOR_SHARE` of the layer's kept tokens per head, then the
+      highest remaining scores over all its heads together keep the rest, so a head whose
+      attention is concentrated gives budget to one whose attention is spread; the layer is
+      stored ragged (`SessionCache.own_head_tokens`). A cache already ragged always evicts so.
 
     Args:
-        cache: own tensors `[1, kv_heads, own_tokens, head_dim]` per model layer.
-        scores: `[full_model_layers, kv_heads, cache.total_tokens]` float importance of every cached
-            token (base first) in each full-attention layer, e.g. `ObservationWindow.scores`.
-        evict_tokens: tokens to drop per head, `0 <= evict_tokens <= evictable_tokens(...)`.
-        recent_tokens: most recent own tokens never evicted.
+        cache: the session cache (`SessionCache`: rectangular or ragged own tensors).
+        scores: `[full_model_layers, kv_heads, w]` float importance, `w >= cache.score_width`:
+            columns are the cache's working-buffer slots (base first; head `h`'s own slot `i` at
+            `base_tokens + i`), e.g. `ObservationWindow.scores(cache.score_width)`.
+        evict_tokens: tokens to drop per head on average, `0 <= evict_tokens <= evictable_tokens(...)`.
+        recent_tokens: most recent own tokens of each head never evicted.
+        allocation: one of `BUDGET_ALLOCATIONS`.
 
     Returns:
-        A new cache (`cache` is not modified) with `own_tokens - evict_tokens` tokens per head, the
-        layer table's `token_count` / `evicted_tokens` updated and `own_stream_index` recording
-        which token each head holds.
+        A new cache (`cache` is not modified) with `own_tokens - evict_tokens` tokens per head on
+        average, the layer table's `token_count` / `evicted_tokens` updated (per head on average
+        over the heads and full model layers when ragged) and `own_stream_index` recording which
+        token each head holds.
 
     Raises:
-        ValueError: if `evict_tokens` is negative or more than may be evicted, or `scores` has
-            another shape.
+        ValueError: if `evict_tokens` is negative or more than may be evicted, `scores` has
+            another shape, or `allocation` is unknown.
     """
-    ranges = evictable_ranges(cache, recent_tokens)
-    evictable = sum(end - start for _, start, end in ranges)
+    if allocation not in BUDGET_ALLOCATIONS:
+        raise ValueError(f"budget allocation must be one of {', '.join(BUDGET_ALLOCATIONS)}, got {allocation!r}")
+    evictable = evictable_tokens(cache, recent_tokens)
     if not 0 <= evict_tokens <= evictable:
         raise ValueError(f"cannot evict {evict_tokens} tokens per head, {evictable} are evictable")
     layers_n = len(cache.full_layers)
-    kv_heads = cache.own_keys[0].shape[1] if cache.own_keys else 0
-    expected = (layers_n, kv_heads, cache.total_tokens)
-    if tuple(scores.shape) != expected:
+    kv_heads = cache.kv_heads(cache.full_layers[0]) if cache.full_layers else 0
+    if scores.dim() != 3 or tuple(scores.shape[:2]) != (layers_n, kv_heads) or scores.shape[2] < cache.score_width:
+        expected = (layers_n, kv_heads, cache.score_width)
         raise ValueError(f"scores have shape {tuple(scores.shape)}, expected {expected}")
     if evict_tokens == 0:
         return cache
-    slots, quotas = _kept(cache, scores, ranges, evictable - evict_tokens)
+    if allocation == "per_head" or cache.ragged:
+        return _evict_per_head(cache, scores, evict_tokens, recent_tokens)
+    ranges = evictable_ranges(cache, recent_tokens)
+    slots, quotas = _kept(cache, scores[:, :, : cache.total_tokens], ranges, evictable - evict_tokens)
     return _gather(cache, slots, ranges, quotas)
+
+
+def _evict_per_head(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> SessionCache:
+    """`evict_by_scores` under `per_head` (Ada-KV): each full model layer stored ragged."""
+    pinned = _pinned_stream_mask(cache)
+    keys, values = list(cache.own_keys), list(cache.own_values)
+    stream_index: list[torch.Tensor] = [
+        _as_rows(cache, layer, cache.head_stream_index(layer)) for layer in range(len(cache.own_keys))
+    ]
+    head_tokens: list[tuple[int, ...] | None] = list(cache.own_head_tokens or (None,) * len(cache.own_keys))
+    own_scores = list(cache.own_scores) if cache.own_scores is not None else None
+    kept_streams: list[torch.Tensor] = []
+    for row, layer in enumerate(cache.full_layers):
+        evictable = _evictable_per_head(cache, layer, pinned, recent_tokens)
+        head_scores = [
+            scores[row, head, cache.base_tokens : cache.base_tokens + m.numel()].float()
+            for head, m in enumerate(evictable)
+        ]
+        keep = sum(int(m.sum()) for m in evictable) - len(evictable) * evict_tokens
+        chosen = _ada_kv_choice(head_scores, evictable, keep)
+        kept = [~m | c for m, c in zip(evictable, chosen, strict=True)]  # [n_h] bool per head
+        counts = tuple(int(k.sum()) for k in kept)
+        key_heads = split_heads(_flat(cache, layer, cache.own_keys[layer]), cache.head_tokens(layer))
+        value_heads = split_heads(_flat(cache, layer, cache.own_values[layer]), cache.head_tokens(layer))
+        keys[layer] = torch.cat([k[:, :, m.to(k.device)] for k, m in zip(key_heads, kept, strict=True)], dim=-2)
+        values[layer] = torch.cat([v[:, :, m.to(v.device)] for v, m in zip(value_heads, kept, strict=True)], dim=-2)
+        streams = cache.head_stream_index(layer)
+        stream_index[layer] = torch.cat([s[m] for s, m in zip(streams, kept, strict=True)])[None]
+        kept_streams.extend(s[m] for s, m in zip(streams, kept, strict=True))
+        head_tokens[layer] = counts
+        if own_scores is not None:
+            old = cache.head_rows(layer, own_scores[row])
+            own_scores[row] = torch.cat([o[m] for o, m in zip(old, kept, strict=True)])[None]
+    spans = _average_spans(cache, kept_streams, cache.own_tokens - evict_tokens)
+    return replace(
+        cache,
+        own_keys=tuple(keys),
+        own_values=tuple(values),
+        layers=spans,
+        own_stream_index=tuple(stream_index),
+        own_head_tokens=tuple(head_tokens),
+        own_scores=None if own_scores is None else tuple(own_scores),
+    )
+
+
+def _flat(cache: SessionCache, layer: int, tensor: torch.Tensor) -> torch.Tensor:
+    """Own keys or values of model layer `layer` as `[1, 1, sum n_h, d]`, head by head (a view when
+    ragged; a rectangular layer's heads are contiguous, so a reshape)."""
+    return tensor if cache.ragged_counts(layer) is not None else tensor.reshape(1, 1, -1, tensor.shape[-1])
+
+
+def _as_rows(cache: SessionCache, layer: int, per_head: list[torch.Tensor]) -> torch.Tensor:
+    """A layer's per-head stream index in the layer's stored form (`[kv, n]`, or `[1, sum]` ragged)."""
+    if cache.ragged_counts(layer) is not None:
+        return torch.cat(per_head)[None]
+    return torch.stack(per_head) if per_head else torch.zeros(0, 0, dtype=torch.long)
+
+
+def _ada_kv_choice(scores: list[torch.Tensor], evictable: list[torch.Tensor], keep: int) -> list[torch.Tensor]:
+    """Per head, `[n_h]` bool: the evictable slots kept, `keep` over all heads: each head's top
+    `ADA_KV_FLOOR_SHARE * keep / heads` (at most its evictable count), then the highest remaining
+    scores over every head's evictable slots (Ada-KV, Feng et al., 2024)."""
+    heads = len(scores)
+    floor = int(ADA_KV_FLOOR_SHARE * keep / heads) if heads else 0
+    chosen = [torch.zeros_like(m) for m in evictable]
+    candidates = []
+    for head, (score, mask) in enumerate(zip(scores, evictable, strict=True)):
+        slots = mask.nonzero().flatten()
+        own = score[slots]
+        take = min(floor, slots.numel())
+        if take:
+            chosen[head][slots[own.topk(take).indices]] = True
+        rest = slots[~chosen[head][slots]]
+        candidates.append((head, rest, score[rest]))
+    left = keep - sum(int(c.sum()) for c in chosen)
+    if left > 0:
+        pooled = torch.cat([s for _, _, s in candidates])
+        owners = torch.cat([torch.full((r.numel(),), h, dtype=torch.long) for h, r, _ in candidates])
+        slots = torch.cat([r for _, r, _ in candidates])
+        best = pooled.topk(left).indices
+        for head in range(heads):
+            chosen[head][slots[best[owners[best] == head]]] = True
+    return chosen
+
+
+def _average_spans(cache: SessionCache, kept_streams: list[torch.Tensor], own_tokens: int) -> tuple[LayerSpan, ...]:
+    """The layer table after a per-head eviction: each turn layer's held tokens per head, on
+    average over every head of every full model layer (`kept_streams`: each head's kept stream
+    indices), rounded by largest remainder so the rows sum to `own_tokens`."""
+    kept = torch.cat(kept_streams) if kept_streams else torch.zeros(0, dtype=torch.long)
+    heads = max(len(kept_streams), 1)
+    shares = []
+    for span in cache.layers:
+        inside = ((kept >= span.original_start) & (kept < span.original_start + span.original_tokens)).sum()
+        shares.append(float(inside) / heads)
+    counts = [int(s) for s in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: shares[i] - counts[i], reverse=True)
+    for i in by_remainder[: own_tokens - sum(counts)]:
+        counts[i] += 1
+    return tuple(
+        replace(span, token_count=count, evicted_tokens=span.original_tokens - count)
+        for span, count in zip(cache.layers, counts, strict=True)
+    )
 
 
 def kept_slots(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> torch.Tensor:
@@ -223,46 +383,58 @@ def carry_prefill(evicted: SessionCache, working: WorkingCache, carried_tokens: 
 
 
 def stored_scores(cache: SessionCache) -> torch.Tensor:
-    """`[full_model_layers, kv_heads, cache.total_tokens]` float32 importance for `evict_by_scores`
+    """`[full_model_layers, kv_heads, cache.score_width]` float32 importance for `evict_by_scores`
     under the `agnostic` policy, fixed before the next question is known: the scores accumulated
     when the turns committed (`SessionCache.own_scores`), or, for a cache without them (restored
     from a blob, rebuilt, forked), each token's stream index, so the newest are kept (the recency
-    of StreamingLLM, Xiao et al., 2023) until the next turns score them. The base part is zero (the
-    base is never evicted)."""
+    of StreamingLLM, Xiao et al., 2023) until the next turns score them. The base part, and the
+    columns past a ragged head's own slots, are zero (never read: the base is never evicted)."""
+    width = cache.score_width
     rows = []
     for row, layer in enumerate(cache.full_layers):
-        kv_heads = cache.own_keys[layer].shape[1]
         if cache.own_scores is not None:
-            own = cache.own_scores[row].float()
-        elif cache.own_stream_index is not None:
-            own = cache.own_stream_index[layer].float()
+            heads = cache.head_rows(layer, cache.own_scores[row].float())
         else:
-            own = stream_index_of(cache.layers).float().expand(kv_heads, -1)
-        rows.append(torch.cat([torch.zeros(kv_heads, cache.base_tokens), own.cpu()], dim=1))
-    return torch.stack(rows)
+            heads = [s.float() for s in cache.head_stream_index(layer)]
+        out = torch.zeros(len(heads), width)
+        for head, own in enumerate(heads):
+            out[head, cache.base_tokens : cache.base_tokens + own.numel()] = own.cpu()
+        rows.append(out)
+    return torch.stack(rows) if rows else torch.zeros(0, 0, width)
 
 
 def committed_scores(
-    before: SessionCache, after: SessionCache, fresh: Sequence[torch.Tensor]
+    before: SessionCache, after: SessionCache, fresh: Sequence[torch.Tensor], built_from: SessionCache | None = None
 ) -> tuple[torch.Tensor, ...]:
     """`after.own_scores` once a turn turned `before` into `after`: per full layer, the most attention
-    each held own token got from the turn's scoring queries (`fresh[row]`, `[kv_heads, buffer
-    slots]`, the own tokens last: the turn's own queries, `QueryLog.turn_scores`, or, measured in
-    `benchmarks/window_quality.py`, the reconstruction of the turn's ids, `ReconstructionScores`),
-    and, for `before`'s own tokens (the first ones of `after`), the larger of that and their scores
-    from earlier turns (KVzip's max over every query, taken one committed turn at a time).
+    each held own token got from the turn's scoring queries, and, for `before`'s own tokens (the
+    first ones of each head in `after`), the larger of that and their scores from earlier turns
+    (KVzip's max over every query, taken one committed turn at a time).
+
+    Args:
+        before, after: the cache before and after the turn.
+        fresh: per full layer `[kv_heads, slots]`: scores of the slots of the working buffer of
+            `built_from` (`SessionCache.to_working_cache`) and of the tokens written after them:
+            the turn's own buffer (`built_from` is `before`, the default: `QueryLog.turn_scores`),
+            or a buffer built from `after` (KVzip's reconstruction, `ReconstructionScores`).
+        built_from: see `fresh`.
 
     Raises:
-        ValueError: if a `fresh` row is shorter than the layer's held own tokens.
+        ValueError: if a `fresh` row does not cover the layer's held own tokens.
     """
+    source = before if built_from is None else built_from
+    appended = len(after.own_token_ids) - len(source.own_token_ids)
     out = []
     for row, layer in enumerate(after.full_layers):
-        held = after.own_keys[layer].shape[-2]
-        if fresh[row].shape[1] < held:
-            raise ValueError(f"fresh scores cover {fresh[row].shape[1]} slots, the layer holds {held} own tokens")
-        new = fresh[row][:, fresh[row].shape[1] - held :].clone()
-        if before.own_scores is not None:
-            old = before.own_scores[row]
-            new[:, : old.shape[1]] = torch.maximum(new[:, : old.shape[1]], old)
-        out.append(new)
+        slots = source.buffer_own_slots(layer, appended)
+        width = max((int(s[-1]) + 1 for s in slots if s.numel()), default=0)
+        if fresh[row].shape[1] < width:
+            raise ValueError(
+                f"fresh scores cover {fresh[row].shape[1]} slots, the layer's own tokens reach slot {width}"
+            )
+        heads = [fresh[row][head, index].clone() for head, index in enumerate(slots)]
+        if before.own_scores is not None:  # each head's first slots in `after` are its held ones in `before`
+            for head, old in enumerate(before.head_rows(layer, before.own_scores[row])):
+                heads[head][: old.numel()] = torch.maximum(heads[head][: old.numel()], old)
+        out.append(torch.cat(heads)[None] if after.ragged_counts(layer) is not None else torch.stack(heads))
     return tuple(out)

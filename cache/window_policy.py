@@ -74,11 +74,14 @@ class WindowPolicy:
             in chunks of this many tokens and evicts down to the budget after each, so it holds
             at most `budget_tokens` plus a chunk (`sessions.turn.window.TurnWindow.prefill_evicting`);
             0 (the default: better replies, benchmarks/window_rebuild.py) prefills it at once.
+        allocation: under `attention` and `agnostic`, how an eviction spends the kept tokens
+            over KV heads: `per_head` (Ada-KV, the layer stored ragged) or `uniform`
+            (`cache.token_eviction.evict_by_scores`).
 
     Raises:
         ValueError: if `budget_tokens` is not positive, `policy` is unknown, `recent_tokens` is
             negative (or, under a lossy policy, not below `budget_tokens`), `observation_tokens < 1`
-            or `rebuild_chunk_tokens < 0`.
+            or `rebuild_chunk_tokens < 0`, or `allocation` is unknown.
     """
 
     budget_tokens: int
@@ -86,12 +89,15 @@ class WindowPolicy:
     recent_tokens: int = 64
     observation_tokens: int = 32
     rebuild_chunk_tokens: int = 0
+    allocation: str = "per_head"
 
     def __post_init__(self) -> None:
         if self.budget_tokens <= 0:
             raise ValueError(f"budget_tokens must be > 0, got {self.budget_tokens}")
         if self.policy not in WINDOW_POLICIES:
             raise ValueError(f"window policy must be 'turns', 'attention' or 'agnostic', got {self.policy!r}")
+        if self.allocation not in ("uniform", "per_head"):
+            raise ValueError(f"window budget allocation must be 'uniform' or 'per_head', got {self.allocation!r}")
         if self.recent_tokens < 0 or (self.policy in LOSSY_POLICIES and self.recent_tokens >= self.budget_tokens):
             raise ValueError(
                 f"window_recent_tokens must be >= 0 and below the context budget ({self.budget_tokens}), "

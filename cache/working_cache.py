@@ -44,6 +44,10 @@ class PreallocatedLayer(DynamicLayer):
         """Called by the packed attention with each chunk's query states `[1, heads, n, head_dim]`
         (after RoPE) and the attention scaling; the window policy's scoring sets it
         (`cache.attention_scores`)."""
+        self.head_valid: torch.Tensor | None = None
+        """A ragged layer's holes (`SessionCache` module docstring): bool `[kv_heads, n]`, False
+        where slot `s < n` of a KV head holds no token of that head (the packed attention and the
+        scores mask it out); every slot from `n` on is valid in every head. `None`: no holes."""
         self.device = key_buffer.device
         self.is_initialized = True
 

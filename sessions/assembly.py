@@ -196,6 +196,7 @@ def assemble(settings: Settings, engine: Engine | None = None) -> ManagerParts:
         window=WindowPolicy(
             budget,
             policy=window.window_policy,
+            allocation=window.window_budget_allocation,
             recent_tokens=window.window_recent_tokens,
             observation_tokens=window.window_observation_tokens,
             rebuild_chunk_tokens=window.window_rebuild_chunk_tokens,

@@ -15,7 +15,9 @@ holds several requests; per request and model layer:
                      (gpt-oss: `s_aux`); soft-capping `tanh(s / c) * c` (Gemma 2: `softcap`)
 
 Slot distance equals RoPE-position distance in a sliding layer, whose tail is contiguous; a full
-layer may have evicted slots (the `attention` window policy), for which only causality matters.
+layer may have evicted slots (the `attention` window policy), for which only causality matters,
+and, stored ragged (per-head budgets), holes: slots a KV head does not hold, masked out of its
+query heads' softmax (`with_holes`).
 
 Every keyword argument is accounted for: those implemented above, those that cannot change the
 result (named in `INERT_ARGUMENTS` with the reason), or the call raises
@@ -121,6 +123,22 @@ def attend(
     return torch.matmul(probs.to(values.dtype), values)
 
 
+def with_holes(
+    mask: torch.Tensor | None, head_valid: torch.Tensor, queries: int, keys: int, heads: int
+) -> torch.Tensor:
+    """The `[1, heads, queries, keys]` bool mask of a chunk over a ragged layer's buffer: `mask`
+    (`[queries, keys]`, or `None`: every slot) and, per KV head, its holes (`head_valid [kv_heads,
+    n]`, False in a hole; slots from `n` on are every head's), repeated over the query heads that
+    share each KV head (GQA)."""
+    kv_heads, n = head_valid.shape
+    valid = torch.ones(kv_heads, keys, dtype=torch.bool, device=head_valid.device)
+    valid[:, : min(n, keys)] = head_valid[:, :keys]
+    out = valid[:, None, :].expand(kv_heads, queries, keys)
+    if mask is not None:
+        out = out & mask[None]
+    return out.repeat_interleave(heads // kv_heads, dim=0)[None]
+
+
 def _segment_attention(
     batch: PackedBatch, segment: Segment, layer_idx: int, q: torch.Tensor, kind: dict[str, Any]
 ) -> torch.Tensor:
@@ -139,6 +157,8 @@ def _segment_attention(
         first = max(0, keys.shape[2] - segment.length - (window - 1))
         keys, values = keys[:, :, first:], values[:, :, first:]
     mask = batch.mask(segment.length, keys.shape[2], window)
+    if layer.head_valid is not None:
+        mask = with_holes(mask, layer.head_valid, segment.length, keys.shape[2], q.shape[1])
     out = attend(q, keys, values, mask, kind["scaling"], kind["s_aux"], kind["softcap"])
     return out.transpose(1, 2)
 

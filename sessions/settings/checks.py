@@ -13,6 +13,7 @@ from sessions.settings.parsing import MAX_DURATION_S
 Precision = Literal["exact", "int8", "int4"]
 PersistMode = Literal["on_evict", "write_back"]
 WindowPolicyName = Literal["turns", "attention", "agnostic"]
+BudgetAllocation = Literal["uniform", "per_head"]
 DtypeName = Literal["float32", "bfloat16", "float16"]
 DtypeSetting = Literal["auto", "float32", "bfloat16", "float16"]
 """`auto`: bfloat16 on CUDA (float16 without bfloat16 support), float32 elsewhere
@@ -34,6 +35,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "device": (lambda v: isinstance(v, str) and _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda, cuda:N or mps"),
     "quant_residual_tokens": (lambda v: v >= 0, ">= 0"),
     "window_policy": (lambda v: v in ("turns", "attention", "agnostic"), "'turns', 'attention' or 'agnostic'"),
+    "window_budget_allocation": (lambda v: v in ("uniform", "per_head"), "'uniform' or 'per_head'"),
     "window_recent_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "window_observation_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "window_rebuild_chunk_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sessions.settings.checks import (
+    BudgetAllocation,
     DtypeSetting,
     PersistMode,
     Precision,
@@ -72,6 +73,8 @@ class WindowConfig:
             the model's context (`budget_tokens`).
         window_policy: `turns` (whole oldest unpinned turns go), `attention` (lossy, per KV head, by
             the new turn's attention) or `agnostic` (lossy, per KV head, by scores fixed at commit).
+        window_budget_allocation: under `attention` and `agnostic`, `per_head` (Ada-KV, stored
+            ragged) or `uniform` (`cache.token_eviction.evict_by_scores`).
         window_recent_tokens: under `attention`, the most recent tokens never evicted.
         window_observation_tokens: under `attention`, the queries whose attention scores the cache.
         window_rebuild_chunk_tokens: under `attention` and `agnostic`, the chunk a rebuild prefills
@@ -86,6 +89,7 @@ class WindowConfig:
 
     context_budget_tokens: int | None
     window_policy: WindowPolicyName
+    window_budget_allocation: BudgetAllocation
     window_recent_tokens: int
     window_observation_tokens: int
     window_rebuild_chunk_tokens: int

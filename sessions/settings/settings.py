@@ -22,7 +22,15 @@ from typing import Any, TypeVar
 import platformdirs
 
 from sessions.engine.config import SchedulerConfig
-from sessions.settings.checks import DtypeSetting, PersistMode, Precision, RoutingMode, WindowPolicyName, check_field
+from sessions.settings.checks import (
+    BudgetAllocation,
+    DtypeSetting,
+    PersistMode,
+    Precision,
+    RoutingMode,
+    WindowPolicyName,
+    check_field,
+)
 from sessions.settings.configs import ModelConfig, RedisConfig, ReplicaConfig, TierConfig, WindowConfig
 from sessions.settings.parsing import env_variable, parse_field
 
@@ -161,6 +169,10 @@ class Settings:
     that the new turn's last queries attend to least, SnapKV-style) or `agnostic` (lossy: the same
     eviction by scores fixed when the earlier turns committed, whatever is asked next;
     docs/architecture.md)."""
+    window_budget_allocation: BudgetAllocation = "per_head"
+    """Under `attention` and `agnostic`, how an eviction spends the kept tokens over KV heads:
+    `per_head` (default; Ada-KV: a layer's heads share its budget by score, stored ragged, the
+    same bytes) or `uniform` (every head keeps the same count of each turn)."""
     window_recent_tokens: int = 64
     """Under `attention` and `agnostic`, the most recent tokens of a session never evicted (below
     the budget)."""
@@ -329,6 +341,7 @@ class Settings:
         return WindowConfig(
             context_budget_tokens=self.context_budget_tokens,
             window_policy=self.window_policy,
+            window_budget_allocation=self.window_budget_allocation,
             window_recent_tokens=self.window_recent_tokens,
             window_observation_tokens=self.window_observation_tokens,
             window_rebuild_chunk_tokens=self.window_rebuild_chunk_tokens,

@@ -245,13 +245,15 @@ class TurnWindow:
             raise ContextTooLong(needed - evictable, self.window.budget_tokens, reply_tokens=max_new_tokens)
         if self.window.policy == "agnostic":  # scores fixed at commit: no prefill, only the gather
             started = time.perf_counter()
-            evicted = evict_by_scores(cache, stored_scores(cache), excess, self.window.recent_tokens)
+            evicted = evict_by_scores(
+                cache, stored_scores(cache), excess, self.window.recent_tokens, self.window.allocation
+            )
             return FittedWindow(evicted, excess, False, 0.0, time.perf_counter() - started)
         if len(prefill) < 2:  # nothing to prefill ahead of the request's own last id: score on a copy
             started = time.perf_counter()
             scores = self.score(cache, prefill)
             scored = time.perf_counter()
-            evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
+            evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens, self.window.allocation)
             held = cache.total_tokens + len(prefill)
             return FittedWindow(evicted, excess, False, scored - started, time.perf_counter() - scored, None, 0, held)
         return self._prefill_and_evict(cache, prefill, excess, max_new_tokens)
@@ -263,14 +265,14 @@ class TurnWindow:
         last on the full cache, observed; evict `excess` tokens per head; carry the prefill over."""
         ahead = len(prefill) - 1
         extra = len(prefill) + max_new_tokens
-        with self.device_buffer(cache.total_tokens + extra):
+        with self.device_buffer(cache.score_width + extra):
             started = time.perf_counter()
             working = cache.to_working_cache(extra)
             with ObservationWindow(working, self.window.observation_tokens) as observed:
                 self.engine.prefill(working, prefill[:ahead])
-            scores = observed.scores(cache.total_tokens)
+            scores = observed.scores(cache.score_width)
             scored = time.perf_counter()
-            evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens)
+            evicted = evict_by_scores(cache, scores, excess, self.window.recent_tokens, self.window.allocation)
             carried = carry_prefill(evicted, working, ahead, extra - ahead)
             del working
         done = time.perf_counter()
@@ -328,7 +330,7 @@ class TurnWindow:
         ids = kept.ids[start:end]
         agnostic = self.window.policy == "agnostic"
         excess = cache.total_tokens + len(ids) - self.window.budget_tokens
-        with self.device_buffer(cache.total_tokens + len(ids)):
+        with self.device_buffer(cache.score_width + len(ids)):
             working = cache.to_working_cache(len(ids))
             spans = chunk_spans(cache.layers, kept.spans, start, end)
             if not agnostic and excess <= 0:  # nothing to evict: no scores needed
@@ -342,25 +344,25 @@ class TurnWindow:
                 after = after.with_scores(committed_scores(cache, after, observer.turn_scores()))
                 scores = stored_scores(after)
             else:
-                scores = observer.scores(after.total_tokens)
+                scores = observer.scores(after.score_width)
             del working, observer
         if excess <= 0:
             return after
         evictable = evictable_tokens(after, self.window.recent_tokens)
         if excess > evictable:
             raise ContextTooLong(after.total_tokens - evictable, self.window.budget_tokens)
-        return evict_by_scores(after, scores, excess, self.window.recent_tokens)
+        return evict_by_scores(after, scores, excess, self.window.recent_tokens, self.window.allocation)
 
     def score(self, cache: SessionCache, prefill: Sequence[int]) -> torch.Tensor:
-        """`[full_model_layers, kv_heads, cache.total_tokens]` float32 importance of the cached tokens
+        """`[full_model_layers, kv_heads, cache.score_width]` float32 importance of the cached tokens
         to the last `observation_tokens` of `prefill` (prefilled on a copy of the cache, which is
         then dropped; the copy's buffer is reserved against the device budget meanwhile)."""
-        with self.device_buffer(cache.total_tokens + len(prefill)):
+        with self.device_buffer(cache.score_width + len(prefill)):
             working = cache.to_working_cache(len(prefill))
             with ObservationWindow(working, self.window.observation_tokens) as observed:
                 self.engine.prefill(working, prefill)
             del working
-            return observed.scores(cache.total_tokens)
+            return observed.scores(cache.score_width)
 
     def reconstruction_scores(
         self,
@@ -389,7 +391,7 @@ class TurnWindow:
             chunk_tokens: context ids per prefill.
 
         Returns:
-            `[full_model_layers, kv_heads, cache.total_tokens]` float32 on the CPU, in `[0, 1]`
+            `[full_model_layers, kv_heads, cache.score_width]` float32 on the CPU, in `[0, 1]`
             (sliding-window layers are not scored).
 
         Raises:
@@ -403,17 +405,18 @@ class TurnWindow:
 
     def _reconstruct(self, cache: SessionCache, ids: Sequence[int]) -> torch.Tensor:
         """One chunk of `reconstruction_scores`, on a copy of `cache` that is dropped after."""
-        with self.device_buffer(cache.total_tokens + len(ids)):
+        with self.device_buffer(cache.score_width + len(ids)):
             working = cache.to_working_cache(len(ids))
-            with ReconstructionScores(working, cache.total_tokens) as observed:
+            with ReconstructionScores(working, cache.score_width) as observed:
                 self.engine.prefill(working, ids)
             del working
         return observed.scores()
 
     def demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
         """Drop whole layers: re-rotate the kept keys, or re-prefill the kept layers (evicted
-        tokens included: that path is exact) when the model has no known RoPE layout."""
-        if self.engine.rope_layout is not None:
+        tokens included: that path is exact) when the model has no known RoPE layout or the
+        cache is ragged (per-head budgets: its heads' slots of a layer differ)."""
+        if self.engine.rope_layout is not None and not cache.ragged:
             return demote_by_rotation(cache, demote, self.engine.rope_layout)
         own = [
             (span, cache.own_token_ids[off : off + span.original_tokens]) for span, _, off in span_offsets(cache.layers)

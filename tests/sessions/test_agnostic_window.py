@@ -61,16 +61,17 @@ def test_scores_follow_the_cache_and_the_base_and_recent_window_stay(tmp_path: P
             assert cache.total_tokens <= BUDGET
             scores = cache.own_scores
             assert scores is not None and len(scores) == len(cache.full_layers)
-            assert all(s.shape == (cache.own_keys[0].shape[1], cache.own_tokens) for s in scores)
+            for layer, s in zip(cache.full_layers, scores, strict=True):  # one score per held slot of each head
+                assert [t.numel() for t in cache.head_rows(layer, s)] == list(cache.head_tokens(layer))
             assert all(bool((s >= 0).all()) and bool((s <= 1).all()) for s in scores)  # attention weights
             evicted += reply.stats.demoted_tokens
         assert evicted > 0 and cache.evicted_tokens > 0
         assert cache.base_token_ids == tuple(manager.internals.template.system_prefix_ids(SYSTEM))
         stream_end = cache.next_original_index
-        index = cache.own_stream_index
-        assert index is not None
-        for per_layer in index:
-            assert (per_layer[:, -RECENT:] == per_layer.new_tensor(range(stream_end - RECENT, stream_end))).all()
+        assert cache.own_stream_index is not None
+        for layer in cache.full_layers:
+            for stream in cache.head_stream_index(layer):
+                assert stream[-RECENT:].tolist() == list(range(stream_end - RECENT, stream_end))
 
 
 def test_a_cache_restored_without_scores_evicts_the_oldest_first(tmp_path: Path, tiny_engine: Engine) -> None:

@@ -62,14 +62,18 @@ def test_tokens_are_evicted_per_head_while_every_turn_layer_and_the_base_stay(
         assert all(span.kind is LayerKind.TURN for span in cache.layers)
         assert cache.next_position == cache.base_tokens + len(cache.own_token_ids)  # positions kept
         assert cache.next_position > cache.total_tokens
-        index = cache.own_stream_index
-        assert index is not None
+        assert cache.own_stream_index is not None
         stream_end = cache.next_original_index
-        for per_layer in index:
-            # The most recent tokens are held by every head, in every model layer.
-            assert (per_layer[:, -RECENT:] == per_layer.new_tensor(range(stream_end - RECENT, stream_end))).all()
-        # Heads differ in what they keep (their scores differ).
-        assert any(not bool((t[0] == t[1]).all()) for t in index)
+        heads = [cache.head_stream_index(layer) for layer in cache.full_layers]
+        for per_layer in heads:
+            for stream in per_layer:  # the most recent tokens are held by every head, in every model layer
+                assert stream[-RECENT:].tolist() == list(range(stream_end - RECENT, stream_end))
+        # Heads differ in what they keep (their scores differ), and, per head budgets (Ada-KV), in
+        # how many: every full model layer holds the same total.
+        assert any(not torch.equal(per_layer[0], per_layer[1]) for per_layer in heads)
+        assert cache.ragged
+        for layer in cache.full_layers:
+            assert sum(cache.head_tokens(layer)) == cache.kv_heads(layer) * cache.own_tokens
 
 
 def test_the_scoring_and_rebuild_buffers_are_reserved_against_the_device_budget(

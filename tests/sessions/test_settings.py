@@ -38,6 +38,7 @@ ENVIRONMENT: dict[str, tuple[str, Any]] = {
     "master_key": ("Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE=", "Y2hhdGt2LXRlc3QtbWFzdGVyLWtleS0zMi1ieXRlcyE="),
     "context_budget_tokens": ("1024", 1024),
     "window_policy": ("attention", "attention"),
+    "window_budget_allocation": ("uniform", "uniform"),
     "window_recent_tokens": ("48", 48),
     "window_observation_tokens": ("16", 16),
     "window_rebuild_chunk_tokens": ("64", 64),
@@ -141,6 +142,12 @@ def test_unset_or_empty_variables_leave_the_declared_defaults(monkeypatch: pytes
             "CHATKV_WINDOW_RECENT_TOKENS",
             "-1",
             "CHATKV_WINDOW_RECENT_TOKENS: window_recent_tokens must be an integer >= 0, got -1",
+        ),
+        (
+            "CHATKV_WINDOW_BUDGET_ALLOCATION",
+            "per_layer",
+            "CHATKV_WINDOW_BUDGET_ALLOCATION: window_budget_allocation must be 'uniform' or 'per_head', "
+            "got 'per_layer'",
         ),
         (
             "CHATKV_WINDOW_OBSERVATION_TOKENS",
@@ -257,6 +264,7 @@ def test_the_window_config_carries_the_window_fields(monkeypatch: pytest.MonkeyP
     assert config == WindowConfig(
         context_budget_tokens=1024,
         window_policy="attention",
+        window_budget_allocation="uniform",
         window_recent_tokens=48,
         window_observation_tokens=16,
         window_rebuild_chunk_tokens=64,

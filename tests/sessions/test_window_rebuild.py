@@ -35,11 +35,13 @@ def conversed(manager: SessionManager, tenant: str, turns: int) -> str:
     return sid
 
 
+@pytest.mark.parametrize("allocation", ["uniform", "per_head"])
 @pytest.mark.parametrize("policy", ["attention", "agnostic"])
 def test_a_chunked_rebuild_never_holds_more_than_the_budget_plus_a_chunk(
-    tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch, policy: str
+    tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch, policy: str, allocation: str
 ) -> None:
-    with open_manager(tmp_path / "home", tiny_engine, window_policy=policy) as manager:
+    settings = {"window_policy": policy, "window_budget_allocation": allocation}
+    with open_manager(tmp_path / "home", tiny_engine, **settings) as manager:
         tenant = manager.create_tenant("acme").id
         sid = conversed(manager, tenant, 9)
         manager.evict_session(tenant, sid, "drop")
@@ -51,7 +53,10 @@ def test_a_chunked_rebuild_never_holds_more_than_the_budget_plus_a_chunk(
     # Under `attention` the turn's own prefill scores on a copy of the cache as well (the last
     # reservation); every chunk's buffer holds the cache so far (at most the budget) and a chunk.
     chunks = reserved[:-1] if policy == "attention" else reserved
-    assert len(chunks) >= 3 and max(chunks) <= (BUDGET + CHUNK) * per_token, (chunks, per_token)
+    # Per-head budgets hold the budget's bytes at rest; a chunk's working buffer pads each model
+    # layer's heads to its longest one (its holes), which these few heads keep within an eighth.
+    padding = 0 if allocation == "uniform" else BUDGET // 8
+    assert len(chunks) >= 3 and max(chunks) <= (BUDGET + padding + CHUNK) * per_token, (chunks, per_token)
     assert BUDGET < reply.stats.peak_tokens <= BUDGET + CHUNK
     # The past it chose from reached back further than the budget (the eviction chose among
     # more turns than fit), and a turn that did not fit was dropped whole, as before.
