@@ -34,7 +34,7 @@ prepare() {
     mkdir -p .whl .bench-model/smollm2-135m-instruct
     "$PY" -m pip download -q "${pip[@]}" transformers==5.24.0 sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3 \
         cryptography==50.0.2 cffi==2.1.1 pycparser==3.0 platformdirs==4.14.9 redis==8.2.0 hiredis==3.5.0 \
-        python-json-logger==4.2.0 || return
+        regex==2026.11.19 || return
     local source
     source=$("$PY" -c 'from pathlib import Path; from sessions.model_source import converted_default_dir
 print(converted_default_dir(Path(".cache/models")))') || return
