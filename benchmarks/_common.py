@@ -144,6 +144,12 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="default (the bundled SmolLM2-135M-Instruct), a model directory or a .gguf file; e.g. a "
+        "random model of another size from benchmarks/random_model.py (speed only: its replies are noise)",
+    )
     parser.add_argument("--model-cache-dir", type=Path, default=DEFAULT_MODEL_CACHE)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
@@ -151,7 +157,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 
 def setup(args: argparse.Namespace) -> Engine:
-    """Threads, seeds, warnings; load the real default model once and warm it up."""
+    """Threads, seeds, warnings; load the model (`--model`, the real default one unless told) once and
+    warm it up."""
     # A deprecated call in our path (e.g. the old `past_key_values=` kwarg) must fail loudly.
     warnings.simplefilter("error", FutureWarning)
     warnings.simplefilter("error", DeprecationWarning)
@@ -161,7 +168,7 @@ def setup(args: argparse.Namespace) -> Engine:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = Engine(load_model("default", args.model_cache_dir, device, args.dtype))
+    engine = Engine(load_model(args.model, args.model_cache_dir, device, args.dtype))
     warm_up(engine)
     return engine
 
@@ -314,6 +321,7 @@ def chatkv_server(home: Path, args: argparse.Namespace, settings: Mapping[str, s
             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
             "GRADIO_ANALYTICS_ENABLED": "False",
             "CHATKV_HOME": str(home),
+            "CHATKV_MODEL": args.model,
             "CHATKV_MODEL_CACHE_DIR": str(args.model_cache_dir),
             "CHATKV_MASTER_KEY": BENCH_MASTER_KEY,
             "CHATKV_DEVICE": args.device,

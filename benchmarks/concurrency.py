@@ -50,6 +50,7 @@ from _common import (
     print_header,
     print_table,
     setup,
+    sync,
     temp_dir,
     user_message,
     write_json,
@@ -85,15 +86,18 @@ def prepare(manager: SessionManager, count: int, args: argparse.Namespace, offse
     return sessions
 
 
-def run_together(manager: SessionManager, sessions: list[Session], new_tokens: int) -> dict[str, Any]:
-    """Every session sends its next message at once; returns throughput, TTFT and queue figures."""
+def run_together(
+    manager: SessionManager, sessions: list[Session], new_tokens: int, ignore_eos: bool = False
+) -> dict[str, Any]:
+    """Every session sends its next message at once; returns throughput, TTFT and queue figures.
+    `ignore_eos`: no stop token ends a reply, so each runs to `new_tokens` as the transformers batch does."""
     replies: list[Reply | None] = [None] * len(sessions)
     start = threading.Barrier(len(sessions) + 1)
 
     def turn(i: int) -> None:
         start.wait()
         s = sessions[i]
-        replies[i] = manager.chat(s.tenant, s.sid, s.next_message, max_new_tokens=new_tokens)
+        replies[i] = manager.chat(s.tenant, s.sid, s.next_message, max_new_tokens=new_tokens, ignore_eos=ignore_eos)
 
     threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(sessions))]
     for t in threads:
@@ -130,12 +134,16 @@ def transformers_batch(engine: Engine, sessions: list[Session], new_tokens: int)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else engine.stop_token_ids[0]
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=engine.device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=engine.device)
+    # On a GPU the kernels run asynchronously: synchronise before every clock read (chatkv's turns
+    # wait for each sampled token anyway).
+    sync(engine)
     began = time.perf_counter()
     cache = DynamicCache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = engine.model(
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
     )
+    sync(engine)
     prefill_s = time.perf_counter() - began
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     for _ in range(new_tokens - 1):
@@ -143,6 +151,7 @@ def transformers_batch(engine: Engine, sessions: list[Session], new_tokens: int)
         positions = positions[:, -1:] + 1
         out = engine.model(input_ids=token, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(engine)
     wall = time.perf_counter() - began
     tokens = new_tokens * len(sessions)
     return {
@@ -155,11 +164,19 @@ def transformers_batch(engine: Engine, sessions: list[Session], new_tokens: int)
 
 
 def stream_gaps(
-    manager: SessionManager, session: Session, new_tokens: int, out: list[float], go: threading.Event
+    manager: SessionManager,
+    session: Session,
+    new_tokens: int,
+    out: list[float],
+    go: threading.Event,
+    ignore_eos: bool = False,
 ) -> None:
     """Stream one turn, appending the times at which pieces arrive."""
     go.wait()
-    for item in manager.stream_chat(session.tenant, session.sid, session.next_message, max_new_tokens=new_tokens):
+    stream = manager.stream_chat(
+        session.tenant, session.sid, session.next_message, max_new_tokens=new_tokens, ignore_eos=ignore_eos
+    )
+    for item in stream:
         if not isinstance(item, Reply):
             out.append(time.perf_counter())
 
@@ -185,13 +202,14 @@ def latency_checks(engine: Engine, args: argparse.Namespace, root: Path) -> dict
             stamps: list[list[float]] = [[] for _ in runners]
             go = threading.Event()
             threads = [
-                threading.Thread(target=stream_gaps, args=(manager, s, args.new_tokens, stamps[i], go))
+                threading.Thread(target=stream_gaps, args=(manager, s, args.new_tokens, stamps[i], go, args.ignore_eos))
                 for i, s in enumerate(runners)
             ]
             for t in threads:
                 t.start()
             go.set()
-            while min(len(s) for s in stamps) < 4:  # every running turn is decoding
+            # Every running turn is decoding (or a reply ended early at a stop token: do not wait forever).
+            while min(len(s) for s in stamps) < 4 and all(t.is_alive() for t in threads):
                 time.sleep(0.005)
             arrived_at = time.perf_counter()
             result = arrive()
@@ -230,8 +248,10 @@ def full_step_s(engine: Engine, step_tokens: int) -> float:
     for _ in range(3):
         working = engine.empty_cache(None).to_working_cache(300 + step_tokens)
         engine.prefill(working, list(range(1000, 1300)))
+        sync(engine)
         began = time.perf_counter()
         engine.prefill(working, list(range(2000, 2000 + step_tokens)))
+        sync(engine)
         times.append(time.perf_counter() - began)
     return median(times)
 
@@ -253,6 +273,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--latency", action=argparse.BooleanOptionalAction, default=True, help="run the two latency checks"
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="chatkv's measured replies run to --new-tokens (stop tokens masked), as the transformers batch "
+        "always does: equal token counts in both columns (a random --model stops at arbitrary points)",
     )
     args = parser.parse_args()
     if args.quick:
@@ -280,7 +306,7 @@ def main() -> None:
                 }
                 with open_manager(root / f"{label}-{n}", engine, args.model_cache_dir, **limits) as manager:
                     sessions = prepare(manager, n, args)
-                    figures[label] = run_together(manager, sessions, args.new_tokens)
+                    figures[label] = run_together(manager, sessions, args.new_tokens, args.ignore_eos)
                     baseline_sessions = sessions
             figures["transformers"] = transformers_batch(engine, baseline_sessions, args.new_tokens)
             raw.append(figures)

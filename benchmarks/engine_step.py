@@ -14,7 +14,11 @@ run on one loaded model, the median over `--steps` steps of:
 The loop runs in the calling thread with torch's intra-op threads (`--threads 1`), and every figure
 is that thread's CPU time (`time.thread_time`), so other processes on a shared machine slow the
 figures far less than wall time. The parts are timed by wrapping them in this process only (one
-clock read pair per call).
+clock read pair per call). On CUDA (`--device cuda`) the kernels run asynchronously, so every figure
+is wall time (`time.perf_counter`) instead, with the device synchronised at the start and end of each
+step: `step` and `transformers` are then the whole steps' times, and a part is the host's time in
+its calls (launches; the GPU work they queue lands in whichever part next waits for it, mostly
+`postprocess`, whose sampling reads the token).
 
     .venv/bin/python benchmarks/engine_step.py --threads 1 [--sessions 1 8 16] [--steps 20]
 """
@@ -29,7 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from _common import base_parser, print_header, print_table, setup
+from _common import base_parser, print_header, print_table, setup, sync
 from transformers import DynamicCache
 
 from cache.ids import TenantId
@@ -46,18 +50,20 @@ PARTS = ("schedule", "pack", "kv write", "attention", "model rest", "postprocess
 
 
 class Clock:
-    """Seconds spent per part during the current step."""
+    """Seconds spent per part during the current step, read from `now` (thread CPU time on a CPU, wall
+    time on a GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.thread_time) -> None:
+        self.now = now
         self.spent: dict[str, float] = collections.defaultdict(float)
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
-        began = time.thread_time()
+        began = self.now()
         try:
             yield
         finally:
-            self.spent[name] += time.thread_time() - began
+            self.spent[name] += self.now() - began
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -99,8 +105,13 @@ def histories(engine: Engine, n: int, tokens: int) -> list[list[int]]:
     return rows
 
 
+def clock_for(engine: Engine) -> Callable[[], float]:
+    """Thread CPU time on a CPU; wall time where kernels run asynchronously (CUDA)."""
+    return time.perf_counter if engine.device.type == "cuda" else time.thread_time
+
+
 def chatkv_steps(engine: Engine, rows: list[list[int]], steps: int) -> tuple[list[dict[str, float]], list[float]]:
-    """Per step: seconds per part, and the step's wall time. The loop runs in this thread."""
+    """Per step: seconds per part, and the step's time. The loop runs in this thread."""
     loop = EngineLoop(engine.runner.forward, engine.device, SchedulerConfig())
     params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
     for i, row in enumerate(rows):
@@ -114,22 +125,26 @@ def chatkv_steps(engine: Engine, rows: list[list[int]], steps: int) -> tuple[lis
             stop_token_ids=engine.stop_token_ids,
         )
         loop._scheduler.add(request)
-    clock = Clock()
+    now = clock_for(engine)
+    clock = Clock(now)
     parts, walls = [], []
     with instrumented(clock):
         for _ in range(steps):
             clock.spent.clear()
-            began = time.thread_time()
+            sync(engine)
+            began = now()
             with clock.part("schedule"):
                 plan = loop._scheduler.schedule()
                 loop._release(plan)
-            forward_began = time.thread_time()
+            forward_began = now()
             postprocess = loop._postprocess
             loop._postprocess = clock.wrap("postprocess", postprocess)  # type: ignore[method-assign]
             loop._step(plan)
             loop._postprocess = postprocess  # type: ignore[method-assign]
-            wall = time.thread_time() - began
-            inner = time.thread_time() - forward_began - clock.spent["pack"] - clock.spent["postprocess"]
+            sync(engine)
+            ended = now()
+            wall = ended - began
+            inner = ended - forward_began - clock.spent["pack"] - clock.spent["postprocess"]
             clock.spent["model rest"] = inner - clock.spent["kv write"] - clock.spent["attention"]
             parts.append(dict(clock.spent))
             walls.append(wall)
@@ -149,14 +164,17 @@ def transformers_steps(engine: Engine, rows: list[list[int]], steps: int) -> lis
         input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
     )
     token = out.logits[:, -1].argmax(-1, keepdim=True)
+    now = clock_for(engine)
     walls = []
     for _ in range(steps):
-        began = time.thread_time()
+        sync(engine)
+        began = now()
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
         positions = positions[:, -1:] + 1
         out = engine.model(input_ids=token, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        walls.append(time.thread_time() - began)
+        sync(engine)
+        walls.append(now() - began)
     return walls
 
 
@@ -177,7 +195,10 @@ def main() -> None:
     print_header(
         "chatkv: one engine decode step, by part, against transformers' padded batch step",
         engine,
-        [f"{args.history_tokens}-token histories, greedy, median of {args.steps} steps"],
+        [
+            f"{args.history_tokens}-token histories, greedy, median of {args.steps} steps; "
+            + ("wall time, synchronised per step" if engine.device.type == "cuda" else "thread CPU time")
+        ],
     )
     table = []
     for n in args.sessions:

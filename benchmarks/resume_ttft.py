@@ -135,6 +135,8 @@ def measure_after_restart(engine: Engine, home: Path, args: argparse.Namespace, 
         args.dtype,
         "--model-cache-dir",
         str(args.model_cache_dir),
+        "--model",
+        args.model,
     ]
     if args.threads:
         command += ["--threads", str(args.threads)]
