@@ -75,7 +75,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from cache.attention_scores import QueryLog
 from cache.budget_allocation import ALLOCATIONS, kept_own_mask
 from cache.ids import PrefixKey
-from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.layer_table import LayerKind, LayerSpan
+from cache.session_cache import BaseLayer, SessionCache
 from cache.token_eviction import committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from cache.window_policy import WindowPolicy
 from cache.working_cache import WorkingCache
@@ -262,7 +263,10 @@ def forced_log_probs(engine: Engine, fitted: FittedWindow, prefill: tuple[int, .
     input_ids = torch.tensor([ids], dtype=torch.long, device=engine.device)
     start = fitted.cache.next_position + ahead
     positions = torch.arange(start, start + len(ids), device=engine.device)[None]
-    out = engine.model(input_ids=input_ids, position_ids=positions, cache=working, use_cache=True)
+    # A plain forward ignores a ragged layer's holes (only the packed attention reads them): mask them.
+    holes = {i: layer.head_valid for i, layer in enumerate(working.prealloc_layers) if layer.head_valid is not None}
+    with masked_slots(engine, holes) if holes else nullcontext():
+        out = engine.model(input_ids=input_ids, position_ids=positions, cache=working, use_cache=True)
     return torch.log_softmax(out.logits[0, len(prefill) - ahead - 1 :].to(torch.float64), dim=-1)
 
 

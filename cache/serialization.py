@@ -38,8 +38,9 @@ import torch
 
 from cache.errors import CacheError
 from cache.ids import PrefixKey
+from cache.layer_table import LayerSpan
 from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
-from cache.session_cache import BaseLayer, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer, SessionCache
 
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)

@@ -58,83 +58,21 @@ into tensors another holder may see (the base is shared, and write-back reads ol
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from cache.ids import PrefixKey
+from cache.layer_table import (
+    LayerKind,
+    LayerSpan,
+    appended_stream_index,
+    spans_before,
+    stream_index_of,
+)
+from cache.ragged_heads import append_per_head, gather_heads, split_heads, working_layer
 from cache.working_cache import PreallocatedLayer, WorkingCache
-
-
-class LayerKind(enum.StrEnum):
-    BASE = "base"
-    TURN = "turn"
-
-
-@dataclass(frozen=True)
-class LayerSpan:
-    """One layer of the session cache: a contiguous run of cached tokens.
-
-    Attributes:
-        kind: `base` for the system-prompt prefix and pinned turns, `turn` otherwise.
-        turn_index: 0-based turn number; `None` for the system-prompt prefix.
-        token_count: tokens in this layer.
-        original_start: index of its first token in the conversation stream (every message's
-            tokens in order, demoted ones included); also the RoPE position it had when computed
-            unless the window had already been compacted then.
-        position_start: current RoPE position of its first token (layers are contiguous).
-        precision: `exact`, or the lossy precision (`int8`/`int4`) it was stored at in a lower tier.
-        evicted_tokens: tokens of the layer evicted by importance (the `attention` window policy),
-            the same count in every KV head and model layer; `token_count` counts the ones held.
-            The layer still spans `original_tokens` stream indices and RoPE positions.
-    """
-
-    kind: LayerKind
-    turn_index: int | None
-    token_count: int
-    original_start: int
-    position_start: int
-    precision: str = "exact"
-    evicted_tokens: int = 0
-
-    @property
-    def pinned(self) -> bool:
-        return self.kind is LayerKind.BASE
-
-    @property
-    def original_tokens(self) -> int:
-        """Tokens the layer covers in the conversation stream: held plus evicted."""
-        return self.token_count + self.evicted_tokens
-
-    @property
-    def position_end(self) -> int:
-        return self.position_start + self.original_tokens
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind.value,
-            "turn_index": self.turn_index,
-            "token_count": self.token_count,
-            "original_start": self.original_start,
-            "position_start": self.position_start,
-            "precision": self.precision,
-            "evicted_tokens": self.evicted_tokens,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, object]) -> LayerSpan:
-        turn = data["turn_index"]
-        return cls(
-            kind=LayerKind(str(data["kind"])),
-            turn_index=None if turn is None else int(str(turn)),
-            token_count=int(str(data["token_count"])),
-            original_start=int(str(data["original_start"])),
-            position_start=int(str(data["position_start"])),
-            precision=str(data.get("precision", "exact")),
-            evicted_tokens=int(str(data.get("evicted_tokens", 0))),
-        )
 
 
 @dataclass(frozen=True)
@@ -423,7 +361,10 @@ class SessionCache:
             from_base = self._from_base(index)
             counts = self.ragged_counts(index)
             if counts is not None:
-                layers.append(self._ragged_working_layer(index, counts, extra_tokens))
+                base = None
+                if self.base_tokens and self.base is not None:
+                    base = (self.base.keys[index], self.base.values[index])
+                layers.append(working_layer(own_k, own_v, counts, base, self.next_position, extra_tokens))
                 continue
             parts_k, parts_v = [own_k], [own_v]
             if from_base and self.base is not None:
@@ -436,28 +377,6 @@ class SessionCache:
                 )
             )
         return WorkingCache(layers)
-
-    def _ragged_working_layer(self, index: int, counts: tuple[int, ...], extra_tokens: int) -> PreallocatedLayer:
-        """The working layer of ragged model layer `index`: base, then each head's own slots
-        followed by its hole up to the longest head (`PreallocatedLayer.head_valid` masks it)."""
-        own_k, own_v = self.own_keys[index], self.own_values[index]
-        base = self.base_tokens
-        longest = max(counts)
-        shape = (1, len(counts), base + longest + max(extra_tokens, 1), own_k.shape[-1])
-        key_buffer, value_buffer = own_k.new_zeros(shape), own_v.new_zeros(shape)
-        if base and self.base is not None:
-            key_buffer[:, :, :base].copy_(self.base.keys[index])
-            value_buffer[:, :, :base].copy_(self.base.values[index])
-        valid = torch.ones(len(counts), base + longest, dtype=torch.bool, device=own_k.device)
-        start = 0
-        for head, count in enumerate(counts):
-            key_buffer[0, head, base : base + count].copy_(own_k[0, 0, start : start + count])
-            value_buffer[0, head, base : base + count].copy_(own_v[0, 0, start : start + count])
-            valid[head, base + count :] = False
-            start += count
-        layer = PreallocatedLayer(key_buffer, value_buffer, base + longest, self.next_position - (base + longest))
-        layer.head_valid = valid
-        return layer
 
     def after_turn(
         self,
@@ -486,21 +405,21 @@ class SessionCache:
             counts = self.ragged_counts(index)
             if counts is not None:  # each head's own slots, then the appended ones past the hole
                 own_slots = self.buffer_own_slots(index, appended)
-                own_keys.append(_gather_heads(layer.filled_keys, own_slots))
-                own_values.append(_gather_heads(layer.filled_values, own_slots))
+                own_keys.append(gather_heads(layer.filled_keys, own_slots))
+                own_values.append(gather_heads(layer.filled_values, own_slots))
                 continue
             first = self._own_start(index, layer)
             own_keys.append(layer.filled_keys[:, :, first:].clone())
             own_values.append(layer.filled_values[:, :, first:].clone())
-        kept = _spans_before(self.layers, spans)
+        kept = spans_before(self.layers, spans)
         stream_index = None
         if self.own_stream_index is not None:
-            new = _appended_stream_index(self.layers, spans, appended)
+            new = appended_stream_index(self.layers, spans, appended)
             rows = []
             for number, (held, keys) in enumerate(zip(self.own_stream_index, own_keys, strict=True)):
                 counts = self.ragged_counts(number)
                 if counts is not None:
-                    rows.append(_append_per_head(held, new, counts))
+                    rows.append(append_per_head(held, new, counts))
                 else:
                     rows.append(torch.cat([held, new.expand(held.shape[0], -1)], dim=-1)[:, -keys.shape[-2] :])
             stream_index = tuple(rows)
@@ -627,61 +546,3 @@ class SessionCache:
         if first > wanted:
             return None
         return slice(wanted - first, stream_end - first)
-
-
-def _gather_heads(buffer: torch.Tensor, slots: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`buffer [1, kv_heads, T, d]`, per head the slots to take -> `[1, 1, sum, d]` (a copy), head by head."""
-    parts = [buffer[0, head, index.to(buffer.device)] for head, index in enumerate(slots)]
-    return torch.cat(parts)[None, None]
-
-
-def split_heads(flat: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
-    """A ragged layer's `[..., n_0 + ... + n_{h-1}, ...]` tensor (slots on dim -2 for KV, -1 for
-    `[1, N]` indices and scores) split per head: views, in head order."""
-    dim = -2 if flat.dim() == 4 else -1
-    return list(flat.split(list(counts), dim=dim))
-
-
-def _append_per_head(index: torch.Tensor, new: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-    """A ragged layer's stream index `[1, N]` with `new [a]` appended to every head's slots."""
-    return torch.cat([torch.cat([part, new[None]], dim=-1) for part in split_heads(index, counts)], dim=-1)
-
-
-def span_offsets(layers: Sequence[LayerSpan]) -> list[tuple[LayerSpan, int, int]]:
-    """(span, offset of its held tokens in the own tensors, offset of its ids in `own_token_ids`)."""
-    out, held, ids = [], 0, 0
-    for span in layers:
-        out.append((span, held, ids))
-        held += span.token_count
-        ids += span.original_tokens
-    return out
-
-
-def stream_index_of(layers: Sequence[LayerSpan]) -> torch.Tensor:
-    """`[own_tokens]` int64 stream index of each held token of a table without evictions."""
-    if any(span.evicted_tokens for span in layers):
-        raise RuntimeError("bug: a table with evicted tokens needs its recorded stream index")
-    parts = [torch.arange(s.original_start, s.original_start + s.token_count) for s in layers]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-
-def _appended_stream_index(existing: Sequence[LayerSpan], new: Sequence[LayerSpan], appended: int) -> torch.Tensor:
-    """Stream index of the `appended` tokens a turn added (they extend the last layer, then fill
-    new ones, never with evictions)."""
-    before = {span.original_start: span for span in existing}
-    parts = []
-    for span in new:
-        old = before.get(span.original_start)
-        start = span.original_start + (old.original_tokens if old is not None else 0)
-        parts.append(torch.arange(start, span.original_start + span.original_tokens))
-    index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    if index.numel() != appended:
-        raise RuntimeError(f"bug: the new layers cover {index.numel()} tokens, {appended} were appended")
-    return index
-
-
-def _spans_before(existing: Sequence[LayerSpan], new: Sequence[LayerSpan]) -> list[LayerSpan]:
-    if not new:
-        return list(existing)
-    first = new[0].original_start
-    return [span for span in existing if span.original_start < first]

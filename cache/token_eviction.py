@@ -40,7 +40,9 @@ from dataclasses import replace
 
 import torch
 
-from cache.session_cache import LayerSpan, SessionCache, span_offsets, split_heads, stream_index_of
+from cache.layer_table import LayerSpan, span_offsets, stream_index_of
+from cache.ragged_heads import split_heads
+from cache.session_cache import SessionCache
 from cache.working_cache import WorkingCache
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from cache.errors import CacheError
+from cache.layer_table import LayerSpan, span_offsets
 from cache.rope import RopeLayout, rotate_keys
-from cache.session_cache import LayerSpan, SessionCache, span_offsets
+from cache.session_cache import SessionCache
 
 MIN_TURN_TOKENS = 64
 """Room the window keeps beside the system prompt and pinned turns: a short message and reply.

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache.ids import SessionId, TenantId
-from cache.session_cache import LayerSpan, SessionCache
+from cache.layer_table import LayerSpan
+from cache.session_cache import SessionCache
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import BlobRejected, CacheKey, Tier
 from cache.window_policy import MIN_TURN_TOKENS

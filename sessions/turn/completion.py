@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from cache.session_cache import LayerKind, LayerSpan, SessionCache
+from cache.layer_table import LayerKind, LayerSpan
+from cache.session_cache import SessionCache
 from cache.window_policy import MIN_TURN_TOKENS
 from cache.working_cache import WorkingCache
 from sessions.records import FinishReason, Reply, TurnStats

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cache.ids import PrefixKey
-from cache.session_cache import LayerKind, LayerSpan, SessionCache
+from cache.layer_table import LayerKind, LayerSpan
+from cache.session_cache import SessionCache
 from cache.working_cache import WorkingCache
 from sessions.records import RestoreSource
 from sessions.turn.chat_template import ConversationTokens

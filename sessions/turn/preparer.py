@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cache.ids import PrefixKey, SessionId, TenantId
+from cache.layer_table import LayerKind, LayerSpan
 from cache.lease import Lease
 from cache.prefix_pool import prefix_key
 from cache.restore import Restored
-from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer, SessionCache
 from cache.tier_manager import TierManager
 from cache.tiers import Tier
 from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPolicy

@@ -55,7 +55,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from cache.attention_scores import ObservationWindow, QueryLog, ReconstructionScores
-from cache.session_cache import LayerSpan, SessionCache, span_offsets
+from cache.layer_table import LayerSpan, span_offsets
+from cache.session_cache import SessionCache
 from cache.token_eviction import carry_prefill, committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from cache.window_policy import LOSSY_POLICIES, ContextOverflow, WindowPlan, WindowPolicy, demote_by_rotation
 from cache.working_cache import WorkingCache

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from cache.ids import PrefixKey
+from cache.layer_table import LayerKind, LayerSpan
 from cache.rope import RopeLayout
-from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer, SessionCache
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from cache.budget_allocation import kept_own_mask
+from cache.ragged_heads import split_heads
 from cache.serialization import session_cache_from_tensors, session_cache_to_tensors
-from cache.session_cache import SessionCache, split_heads
+from cache.session_cache import SessionCache
 from cache.token_eviction import committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from tests.cache.helpers import HEAD_DIM, HEADS, LAYERS, make_cache
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from cache.ids import PrefixKey
+from cache.layer_table import LayerKind, LayerSpan
 from cache.serialization import MalformedCache, session_cache_from_tensors, session_cache_to_tensors
-from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer, SessionCache
 
 WINDOWS = (None, 4)
 """Model layer 0 full attention, model layer 1 a sliding window of 4 (a tail of 3)."""

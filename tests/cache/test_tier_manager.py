@@ -15,8 +15,9 @@ import torch
 
 from cache.budgets import TierBudgets
 from cache.ids import PrefixKey, SessionId, TenantId
+from cache.layer_table import LayerKind, LayerSpan
 from cache.prefix_pool import PrefixPool
-from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.session_cache import BaseLayer, SessionCache
 from cache.tier_manager import LeaseHeld, TierManager
 from cache.tiers import CacheKey, CacheSealer, Tier
 from sessions.offload import EncryptedCacheSealer, TierBlobStore

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cache.layer_table import LayerKind
 from cache.serialization import session_cache_to_tensors
-from cache.session_cache import LayerKind
 from sessions.engine import Engine
 from sessions.errors import ContextTooLong
 from sessions.manager import SessionManager

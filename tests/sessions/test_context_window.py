@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DynamicCache, Phi3Config, Phi3ForCausalLM
 
-from cache.session_cache import LayerKind
+from cache.layer_table import LayerKind
 from sessions.engine import Engine
 from sessions.errors import InvalidInput
 from sessions.manager import SessionManager

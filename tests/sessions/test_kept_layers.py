@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cache.session_cache import LayerKind, LayerSpan
+from cache.layer_table import LayerKind, LayerSpan
 from sessions.turn.window import KeptLayers, restack_kept
 
 

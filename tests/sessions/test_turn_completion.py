@@ -9,7 +9,8 @@ from dataclasses import replace
 import torch
 
 from cache.ids import PrefixKey
-from cache.session_cache import BaseLayer, LayerKind, LayerSpan, SessionCache
+from cache.layer_table import LayerKind, LayerSpan
+from cache.session_cache import BaseLayer, SessionCache
 from cache.working_cache import WorkingCache
 from sessions.records import TurnStats
 from sessions.turn.chat_template import PastTurn, rendering_digest

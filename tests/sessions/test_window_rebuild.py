@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.session_cache import LayerKind, LayerSpan
+from cache.layer_table import LayerKind, LayerSpan
 from cache.window_policy import WindowPolicy
 from sessions import Reply, TurnOptions, TurnTarget
 from sessions.engine import Engine
