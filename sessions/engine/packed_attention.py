@@ -27,12 +27,17 @@ result (named in `INERT_ARGUMENTS` with the reason), or the call raises
 Calls without a packed step (plain use of the same model object by tests and baselines) go to the
 model's original implementation: the registered function for `sdpa`/`flash_attention_*`, or the
 model's own module-level `eager_attention_forward` for `eager` (gpt-oss's has the sinks).
+
+On CUDA a packed step runs with SDPA's cuDNN backend switched off (`without_cudnn_attention`):
+cuDNN builds an execution graph per problem shape, and a packed step's key lengths change every step.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -202,6 +207,58 @@ def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> C
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0].contiguous(), None
 
     return packed_attention
+
+
+class _CudnnAttentionSwitch:
+    """Reference-counted owner of torch's process-wide cuDNN-attention flag during packed steps."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0  # packed steps now running with the flag off by this switch
+        self._was_enabled = False
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._was_enabled:
+                torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+_CUDNN_SWITCH = _CudnnAttentionSwitch()
+
+
+@contextmanager
+def without_cudnn_attention(device: torch.device) -> Iterator[None]:
+    """Run the block with SDPA's cuDNN backend off when `device` is a CUDA device (else a no-op).
+
+    torch prefers cuDNN's attention on sm90/sm100 with a recent cuDNN (`check_prefer_cudnn_attention`
+    in ATen's `native/transformers/cuda/sdp_utils.cpp`), and cuDNN builds and caches one execution
+    graph per problem: batch, heads, query and key lengths, strides (`MHAParams` in ATen's
+    `native/cudnn/MHA.cpp`), tens of milliseconds of host time per graph. A packed step calls SDPA
+    per request over its whole buffer, whose length grows by one token every step, so nearly every
+    call of a decode step builds a graph. Flash and memory-efficient attention (what SDPA picks
+    next) have no per-shape set-up; the outputs agree up to float rounding.
+
+    The switch is torch's process-wide flag (`torch.backends.cuda.enable_cudnn_sdp`): the first of
+    overlapping packed steps (several engines, one loop thread each) turns it off, the last one
+    turns it back on if it was on; a flag someone else turned off stays off. Another thread's SDPA
+    calls during a step run without cuDNN too (the same results up to float rounding).
+    """
+    if device.type != "cuda":
+        yield
+        return
+    _CUDNN_SWITCH.acquire()
+    try:
+        yield
+    finally:
+        _CUDNN_SWITCH.release()
 
 
 def _model_eager(

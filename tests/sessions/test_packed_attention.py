@@ -17,7 +17,12 @@ from cache.session_cache import SessionCache
 from sessions.engine import Engine
 from sessions.engine.attention_kinds import AttentionKind, LayerAttention, read_attention_kinds
 from sessions.engine.batch import band_mask, pack
-from sessions.engine.packed_attention import UnsupportedAttentionArgument, attend, packed_attention_for
+from sessions.engine.packed_attention import (
+    UnsupportedAttentionArgument,
+    attend,
+    packed_attention_for,
+    without_cudnn_attention,
+)
 from sessions.errors import UnsupportedModel
 from sessions.model_source import load_model
 from tests.conftest import MODEL_CACHE
@@ -119,3 +124,31 @@ def test_a_model_whose_attention_passes_an_unknown_argument_is_refused_at_load(t
         layer.self_attn.forward = functools.partial(layer.self_attn.forward, alibi_bias=torch.zeros(1))
     with pytest.raises(UnsupportedModel, match="model layer 0's attention passes alibi_bias=Tensor"):
         Engine(loaded)
+
+
+def test_a_packed_step_on_cuda_turns_cudnn_attention_off_and_back_on() -> None:
+    """cuDNN attention builds a graph per key length, which grows every step (`without_cudnn_attention`).
+    The flag is torch's process-wide one, so it is readable without a GPU."""
+    cuda = torch.device("cuda")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with without_cudnn_attention(cuda):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        with without_cudnn_attention(cuda):  # an overlapping step (another engine's loop)
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()  # the first step still runs
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(RuntimeError), without_cudnn_attention(cuda):
+        raise RuntimeError("a failed forward pass")
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_cudnn_attention_turned_off_by_the_user_stays_off_and_a_cpu_step_changes_nothing() -> None:
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        with without_cudnn_attention(torch.device("cuda")):
+            pass
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    with without_cudnn_attention(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
