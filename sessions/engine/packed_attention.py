@@ -47,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from sessions.engine.batch import STEP_KWARG, PackedBatch, Segment
+from sessions.engine.batch import BLOCK_DIAGONAL_MAX_KEYS, STEP_KWARG, PackedBatch, Segment
 
 INERT_ARGUMENTS: dict[str, str] = {
     "position_ids": "RoPE is applied before attention; only flash-attention's varlen path reads it",
@@ -168,6 +168,31 @@ def _segment_attention(
     return out.transpose(1, 2)
 
 
+def _block_diagonal_attention(
+    batch: PackedBatch, layer_idx: int, query: torch.Tensor, kind: dict[str, Any]
+) -> torch.Tensor | None:
+    """Attention of a decode-only step's queries `[1, heads, N, head_dim]` (one per request) in one
+    SDPA call over every request's keys of model layer `layer_idx` concatenated, masked
+    block-diagonally (`PackedBatch.block_mask`). Returns `[1, N, heads, head_dim]`, or `None` for a
+    layer this does not cover (sliding window, sinks, soft-capping, holes, a query observer, more
+    than `BLOCK_DIAGONAL_MAX_KEYS` keys), which then attends per request."""
+    if kind["sliding_window"] is not None or kind["s_aux"] is not None or kind["softcap"] is not None:
+        return None
+    layers = [segment.layers[layer_idx] for segment in batch.segments]
+    if any(
+        layer.window is not None or layer.head_valid is not None or layer.query_observer is not None for layer in layers
+    ):
+        return None
+    lengths = tuple(layer.get_seq_length() for layer in layers)
+    if sum(lengths) > BLOCK_DIAGONAL_MAX_KEYS:
+        return None
+    keys = torch.cat([layer.filled_keys for layer in layers], dim=2)  # [1, kv_heads, sum(lengths), d]
+    values = torch.cat([layer.filled_values for layer in layers], dim=2)
+    mask = batch.block_mask(lengths)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=kind["scaling"], enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
 def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
     """The attention function: per request over its own buffer when the model is called with a
     packed step, else `fallback` (the model's original attention implementation).
@@ -198,6 +223,10 @@ def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> C
             "s_aux": kwargs.get("s_aux"),
         }
         batch.observe(layer_idx, kind)
+        if batch.block_diagonal:
+            out = _block_diagonal_attention(batch, layer_idx, query, kind)
+            if out is not None:
+                return out, None
         queries = query.split(batch.lengths, dim=2)  # per request [1, heads, n, head_dim]
         outputs = [
             _segment_attention(batch, segment, layer_idx, q, kind)
