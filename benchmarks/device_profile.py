@@ -245,7 +245,7 @@ def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> No
     activities = [torch.profiler.ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    runs = (("after", ("self_cpu_time_total", "self_cuda_time_total"), 25), ("before", ("self_cpu_time_total",), 10))
+    runs = (("after", ("self_cpu_time_total", "device"), 25), ("before", ("self_cpu_time_total",), 10))
     for name, sort_keys, rows in runs:
         with variant(name):
             loop, _ = start(engine, histories(engine, n, history_tokens), 8)
@@ -258,12 +258,19 @@ def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> No
                 sync(engine)
         table = prof.key_averages()
         for key in sort_keys:
-            if "cuda" in key and engine.device.type != "cuda":
-                continue
+            if key == "device":
+                if engine.device.type != "cuda":
+                    continue
+                # torch 2.4 renamed the CUDA columns "device"; the older key for an older torch.
+                renamed = hasattr(table[0], "self_device_time_total")
+                key = "self_device_time_total" if renamed else "self_cuda_time_total"
             print(f"\n## 3. Profiler, 3 decode steps at N={n}, {name} ({VARIANTS[name]}): top {rows} by {key}")
             print(table.table(sort_by=key, row_limit=rows, max_name_column_width=48))
         if out is not None and name == "after":
-            prof.export_chrome_trace(str(out / "device_profile_trace_n8.json.gz"))
+            try:
+                prof.export_chrome_trace(str(out / "device_profile_trace_n8.json.gz"))
+            except (OSError, RuntimeError) as exc:
+                print(f"no Chrome trace: {exc}")
 
 
 # -- 4. before / after ---------------------------------------------------------------------------
