@@ -1,5 +1,6 @@
-"""Where one chatkv engine decode step spends its time on a GPU, and what the cuDNN-attention switch
-changes (`sessions.engine.packed_attention.without_cudnn_attention`). For the device machine
+"""Where one chatkv engine decode step spends its time on a GPU, and what switching off cuDNN attention
+(`packed_attention.without_cudnn_attention`) and block-diagonal decode steps
+(`PackedBatch.block_diagonal`) change there. For the device machine
 (`benchmarks/device_profile.sh` installs what it needs and makes the random model); it also runs on
 a CPU with a tiny model (the smoke run), where the CUDA-only parts say they are skipped.
 
@@ -8,15 +9,18 @@ a CPU with a tiny model (the smoke run), where the CUDA-only parts say they are 
    same L, and when each call has a new L (a decode step's buffers grow by one token), per backend
    (torch's default choice, cuDNN, flash, memory-efficient, math); and which aten op the default
    picks without and with a mask, with cuDNN allowed and with it switched off.
-2. **Syncs**: `torch.cuda.set_sync_debug_mode("warn")` over decode steps at N = 1 and N = 8: syncs
+2. **Before / after**: median decode step ms at each N with cuDNN attention allowed and attention per
+   request (before), cuDNN off, and cuDNN off with block-diagonal decode steps (after, this branch's
+   CUDA default); the generated tokens compared, the largest logit difference of the first steps
+   (before vs after; and a request alone vs in a step of 8); beside them transformers' padded batch
+   step (`engine_step.py`'s baseline) with cuDNN allowed and off.
+3. **Syncs**: `torch.cuda.set_sync_debug_mode("warn")` over decode steps at N = 1 and N = 8: syncs
    per step and where (the innermost frames of chatkv and transformers).
-3. **Profiler**: `torch.profiler` over 3 decode steps at N = 8 (after warm-up steps): the top ops by
-   self CPU time and by self device time, with cuDNN attention switched off (chatkv's default now),
-   and the top self-CPU ops with cuDNN allowed (before); a Chrome trace in `--out`.
-4. **Before / after**: median decode step ms at each N with cuDNN attention allowed (before) and off
-   (after), the generated tokens compared, and the largest logit difference of the first steps;
-   beside them transformers' padded batch step (`engine_step.py`'s baseline) with cuDNN allowed
-   and off.
+4. **Profiler**: `torch.profiler` over 3 decode steps at N = 8 (after warm-up steps): the top ops by
+   self CPU time and by self device time (after), and the top self-CPU ops before; a Chrome trace
+   in `--out`.
+
+Sections run in that order (the most telling first); a failing section prints why and the next runs.
 
     python benchmarks/device_profile.py --model DIR --device cuda --dtype bfloat16 [--out DIR]
 """
@@ -193,7 +197,7 @@ def timed_steps(engine: Engine, loop: EngineLoop, steps: int) -> list[float]:
     return walls
 
 
-# -- 2. syncs ------------------------------------------------------------------------------------
+# -- 3. syncs ------------------------------------------------------------------------------------
 
 
 def _where(frames: list[traceback.FrameSummary]) -> str:
@@ -212,7 +216,7 @@ def _count_sync(where: collections.Counter[str], *args: Any, **kwargs: Any) -> N
 
 
 def section_syncs(engine: Engine, history_tokens: int) -> None:
-    print("\n## 2. Host-device syncs per decode step (torch.cuda.set_sync_debug_mode('warn'))")
+    print("\n## 3. Host-device syncs per decode step (torch.cuda.set_sync_debug_mode('warn'))")
     if engine.device.type != "cuda":
         print("skipped: needs CUDA")
         return
@@ -237,7 +241,7 @@ def section_syncs(engine: Engine, history_tokens: int) -> None:
             print(f"  {count / steps:6.1f}  {key}")
 
 
-# -- 3. profiler ---------------------------------------------------------------------------------
+# -- 4. profiler ---------------------------------------------------------------------------------
 
 
 def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> None:
@@ -264,7 +268,7 @@ def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> No
                 # torch 2.4 renamed the CUDA columns "device"; the older key for an older torch.
                 renamed = hasattr(table[0], "self_device_time_total")
                 key = "self_device_time_total" if renamed else "self_cuda_time_total"
-            print(f"\n## 3. Profiler, 3 decode steps at N={n}, {name} ({VARIANTS[name]}): top {rows} by {key}")
+            print(f"\n## 4. Profiler, 3 decode steps at N={n}, {name} ({VARIANTS[name]}): top {rows} by {key}")
             print(table.table(sort_by=key, row_limit=rows, max_name_column_width=48))
         if out is not None and name == "after":
             try:
@@ -273,7 +277,7 @@ def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> No
                 print(f"no Chrome trace: {exc}")
 
 
-# -- 4. before / after ---------------------------------------------------------------------------
+# -- 2. before / after ---------------------------------------------------------------------------
 
 
 def decode(engine: Engine, name: str, rows: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
@@ -301,7 +305,7 @@ def transformers_ms(engine: Engine, rows: list[list[int]], steps: int, cudnn_off
 
 
 def section_before_after(engine: Engine, sessions: list[int], steps: int, history_tokens: int) -> None:
-    print(f"\n## 4. Decode step ms (median of {steps} after a warm-up step), by variant:")
+    print(f"\n## 2. Decode step ms (median of {steps} after a warm-up step), by variant:")
     for name, what in VARIANTS.items():
         print(f"   {name}: {what}")
     print("   transformers: its padded batch step (engine_step.py's baseline), cuDNN attention allowed / off")
