@@ -42,8 +42,9 @@ STEP_KWARG = "chatkv_step"
 """Keyword argument through which the model passes the step's `PackedBatch` to the attention."""
 
 BLOCK_DIAGONAL_MAX_KEYS = 65536
-"""The most keys (every request's, one model layer) a block-diagonal call gathers; past it the
-copies and the `N x keys` scores outweigh the launches saved, and the layer attends per request."""
+"""The most keys (every request's, one model layer) a block-diagonal call gathers, else the layer
+attends per request: the gathered copy and the `N x keys` scores grow with the keys while the
+launches saved do not. A bound, not a measured crossover (the H200 run had 16 x 300 keys)."""
 
 
 def band_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:

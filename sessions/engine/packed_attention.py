@@ -30,6 +30,9 @@ model's own module-level `eager_attention_forward` for `eager` (gpt-oss's has th
 
 On CUDA a packed step runs with SDPA's cuDNN backend switched off (`without_cudnn_attention`):
 cuDNN builds an execution graph per problem shape, and a packed step's key lengths change every step.
+And a decode-only step of several requests attends in one call per plain full-attention layer over
+every request's keys under a block-diagonal mask (`PackedBatch.block_diagonal`): a kernel launch per
+request and layer costs more there than the gather.
 """
 
 from __future__ import annotations
