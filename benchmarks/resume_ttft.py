@@ -70,6 +70,7 @@ from _common import (
     write_json,
 )
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from redis.exceptions import RedisError
 
 from cache.tiers import CacheKey
 from sessions.engine import Engine
@@ -189,7 +190,9 @@ def redis_answers(url: str | None, cluster: bool) -> str | None:
         client = connect_redis(url, cluster=cluster)
         client.ping()
         client.close()
-    except (RedisUnavailable, OSError, ConnectionError) as exc:
+    # redis-py's own errors (`redis.exceptions.ConnectionError` on a refused connection) derive from
+    # `RedisError`, not from the builtin `ConnectionError`: a machine without Redis skips the row.
+    except (RedisUnavailable, RedisError, OSError) as exc:
         return f"{url} does not answer ({exc})"
     return None
 

@@ -13,7 +13,11 @@ own contiguous KV buffer (`PreallocatedLayer`, per model layer). In every attent
 So a request's logits do not depend on the other requests in the step, up to float rounding of the
 batched projections. Measured on CPU (see docs/architecture.md): per-request SDPA calls over
 contiguous buffers beat one SDPA over a block-diagonal mask, which must first gather every
-request's KV into one tensor per model layer per step. transformers' own continuous batching
+request's KV into one tensor per model layer per step. On CUDA, where each call is a kernel launch
+of fixed host cost, a decode-only step of several requests (`PackedBatch.block_diagonal`) does the
+opposite in its plain full-attention layers: one SDPA per model layer over every request's keys
+concatenated, masked block-diagonally (`PackedBatch.block_mask`); a request's output then agrees
+with its own call up to float rounding. transformers' own continuous batching
 (`generate_batch`, `PagedAttentionCache`) takes token ids only and cannot continue chatkv's caches.
 
 The step reaches the attention function two ways: as the model keyword argument `STEP_KWARG`, and
@@ -36,6 +40,11 @@ from cache.working_cache import PreallocatedLayer
 
 STEP_KWARG = "chatkv_step"
 """Keyword argument through which the model passes the step's `PackedBatch` to the attention."""
+
+BLOCK_DIAGONAL_MAX_KEYS = 65536
+"""The most keys (every request's, one model layer) a block-diagonal call gathers, else the layer
+attends per request: the gathered copy and the `N x keys` scores grow with the keys while the
+launches saved do not. A bound, not a measured crossover (the H200 run had 16 x 300 keys)."""
 
 
 def band_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -76,6 +85,8 @@ class PackedBatch:
         logits_indices: `[R]` long: rows whose logits are needed (each sampling chunk's last token).
         observed: when not `None` (a probe), each model layer's attention arguments as the packed
             attention saw them, by layer index (`ModelRunner` checks them at load).
+        block_diagonal: every segment is one token (a decode-only step) of several requests, and
+            plain full-attention layers attend in one call over a block-diagonal mask (`pack`).
     """
 
     input_ids: torch.Tensor
@@ -83,7 +94,9 @@ class PackedBatch:
     segments: tuple[Segment, ...]
     logits_indices: torch.Tensor
     observed: dict[int, dict[str, Any]] | None = None
+    block_diagonal: bool = False
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict, repr=False)
+    _block_masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @cached_property
     def lengths(self) -> list[int]:
@@ -98,6 +111,21 @@ class PackedBatch:
         if key not in self._masks:
             self._masks[key] = band_mask(queries, keys, window, self.input_ids.device)
         return self._masks[key]
+
+    def block_mask(self, lengths: tuple[int, ...]) -> torch.Tensor:
+        """The `[N, sum(lengths)]` bool mask of a decode-only step's N queries over every request's
+        keys concatenated in row order (request `i` holds `lengths[i]` of them): row `i` sees its
+        own request's keys, all of them (a decode's query is its buffer's last slot). Built once
+        per step and lengths; on CUDA from pinned memory without waiting for the device."""
+        if lengths not in self._block_masks:
+            device = self.input_ids.device
+            mask = torch.zeros(len(lengths), sum(lengths), dtype=torch.bool, pin_memory=device.type == "cuda")
+            start = 0
+            for row, length in enumerate(lengths):
+                mask[row, start : start + length] = True
+                start += length
+            self._block_masks[lengths] = mask.to(device, non_blocking=True)
+        return self._block_masks[lengths]
 
     def observe(self, layer_idx: int, arguments: dict[str, Any]) -> None:
         if self.observed is not None:
@@ -117,9 +145,12 @@ def pack(
     device: torch.device,
     *,
     probe: bool = False,
+    block_diagonal: bool | None = None,
 ) -> PackedBatch:
     """Build the step's input from `(request KV layers, ids to feed, samples)` per request.
     `probe`: record each model layer's attention arguments (`PackedBatch.observed`).
+    `block_diagonal`: allow one attention call per model layer when the step is decode-only with
+    several requests (`PackedBatch.block_diagonal`); `None`: on a CUDA `device` only.
 
     Raises:
         ValueError: if there is no chunk or a chunk has no ids.
@@ -140,12 +171,15 @@ def pack(
         positions.extend(range(first_position, first_position + n))
         if samples:
             sampled.append(len(ids) - 1)
+    if block_diagonal is None:
+        block_diagonal = device.type == "cuda"
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
         segments=tuple(segments),
         logits_indices=torch.tensor(sampled, dtype=torch.long, device=device),
         observed={} if probe else None,
+        block_diagonal=block_diagonal and len(segments) > 1 and len(ids) == len(segments),
     )
 
 

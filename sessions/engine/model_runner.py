@@ -17,7 +17,11 @@ from cache.rope import RopeLayout, rope_layout
 from cache.session_cache import BaseLayer, SessionCache
 from sessions.engine.attention_kinds import LayerAttention, confirm, read_attention_kinds, summary
 from sessions.engine.batch import STEP_KWARG, PackedBatch, StepCache, pack
-from sessions.engine.packed_attention import UnsupportedAttentionArgument, register_packed_attention
+from sessions.engine.packed_attention import (
+    UnsupportedAttentionArgument,
+    register_packed_attention,
+    without_cudnn_attention,
+)
 from sessions.errors import UnsupportedModel
 from sessions.model_source import LoadedModel
 
@@ -154,14 +158,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """One forward pass over a packed step (engine loop only). Returns the
-        `[len(batch.logits_indices), vocab]` logits of the rows that sample."""
-        out = self.model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=batch.placeholder_mask(),
-            cache=StepCache(batch),
-            use_cache=True,
-            logits_to_keep=batch.logits_indices,
-            **{STEP_KWARG: batch},
-        )
+        `[len(batch.logits_indices), vocab]` logits of the rows that sample. On CUDA, SDPA runs
+        without its cuDNN backend during the pass (`without_cudnn_attention`: a graph build per
+        new key length)."""
+        with without_cudnn_attention(self.device):
+            out = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                attention_mask=batch.placeholder_mask(),
+                cache=StepCache(batch),
+                use_cache=True,
+                logits_to_keep=batch.logits_indices,
+                **{STEP_KWARG: batch},
+            )
         return out.logits[0]

@@ -27,12 +27,20 @@ result (named in `INERT_ARGUMENTS` with the reason), or the call raises
 Calls without a packed step (plain use of the same model object by tests and baselines) go to the
 model's original implementation: the registered function for `sdpa`/`flash_attention_*`, or the
 model's own module-level `eager_attention_forward` for `eager` (gpt-oss's has the sinks).
+
+On CUDA a packed step runs with SDPA's cuDNN backend switched off (`without_cudnn_attention`):
+cuDNN builds an execution graph per problem shape, and a packed step's key lengths change every step.
+And a decode-only step of several requests attends in one call per plain full-attention layer over
+every request's keys under a block-diagonal mask (`PackedBatch.block_diagonal`): a kernel launch per
+request and layer costs more there than the gather.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,7 +50,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from sessions.engine.batch import STEP_KWARG, PackedBatch, Segment
+from sessions.engine.batch import BLOCK_DIAGONAL_MAX_KEYS, STEP_KWARG, PackedBatch, Segment
 
 INERT_ARGUMENTS: dict[str, str] = {
     "position_ids": "RoPE is applied before attention; only flash-attention's varlen path reads it",
@@ -163,6 +171,31 @@ def _segment_attention(
     return out.transpose(1, 2)
 
 
+def _block_diagonal_attention(
+    batch: PackedBatch, layer_idx: int, query: torch.Tensor, kind: dict[str, Any]
+) -> torch.Tensor | None:
+    """Attention of a decode-only step's queries `[1, heads, N, head_dim]` (one per request) in one
+    SDPA call over every request's keys of model layer `layer_idx` concatenated, masked
+    block-diagonally (`PackedBatch.block_mask`). Returns `[1, N, heads, head_dim]`, or `None` for a
+    layer this does not cover (sliding window, sinks, soft-capping, holes, a query observer, more
+    than `BLOCK_DIAGONAL_MAX_KEYS` keys), which then attends per request."""
+    if kind["sliding_window"] is not None or kind["s_aux"] is not None or kind["softcap"] is not None:
+        return None
+    layers = [segment.layers[layer_idx] for segment in batch.segments]
+    if any(
+        layer.window is not None or layer.head_valid is not None or layer.query_observer is not None for layer in layers
+    ):
+        return None
+    lengths = tuple(layer.get_seq_length() for layer in layers)
+    if sum(lengths) > BLOCK_DIAGONAL_MAX_KEYS:
+        return None
+    keys = torch.cat([layer.filled_keys for layer in layers], dim=2)  # [1, kv_heads, sum(lengths), d]
+    values = torch.cat([layer.filled_values for layer in layers], dim=2)
+    mask = batch.block_mask(lengths)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=kind["scaling"], enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
+
+
 def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
     """The attention function: per request over its own buffer when the model is called with a
     packed step, else `fallback` (the model's original attention implementation).
@@ -193,6 +226,10 @@ def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> C
             "s_aux": kwargs.get("s_aux"),
         }
         batch.observe(layer_idx, kind)
+        if batch.block_diagonal:
+            out = _block_diagonal_attention(batch, layer_idx, query, kind)
+            if out is not None:
+                return out, None
         queries = query.split(batch.lengths, dim=2)  # per request [1, heads, n, head_dim]
         outputs = [
             _segment_attention(batch, segment, layer_idx, q, kind)
@@ -202,6 +239,58 @@ def packed_attention_for(fallback: Callable[..., tuple[torch.Tensor, Any]]) -> C
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0].contiguous(), None
 
     return packed_attention
+
+
+class _CudnnAttentionSwitch:
+    """Reference-counted owner of torch's process-wide cuDNN-attention flag during packed steps."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0  # packed steps now running with the flag off by this switch
+        self._was_enabled = False
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._was_enabled:
+                torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+_CUDNN_SWITCH = _CudnnAttentionSwitch()
+
+
+@contextmanager
+def without_cudnn_attention(device: torch.device) -> Iterator[None]:
+    """Run the block with SDPA's cuDNN backend off when `device` is a CUDA device (else a no-op).
+
+    torch prefers cuDNN's attention on sm90/sm100 with a recent cuDNN (`check_prefer_cudnn_attention`
+    in ATen's `native/transformers/cuda/sdp_utils.cpp`), and cuDNN builds and caches one execution
+    graph per problem: batch, heads, query and key lengths, strides (`MHAParams` in ATen's
+    `native/cudnn/MHA.cpp`), tens of milliseconds of host time per graph. A packed step calls SDPA
+    per request over its whole buffer, whose length grows by one token every step, so nearly every
+    call of a decode step builds a graph. Flash and memory-efficient attention (what SDPA picks
+    next) have no per-shape set-up; the outputs agree up to float rounding.
+
+    The switch is torch's process-wide flag (`torch.backends.cuda.enable_cudnn_sdp`): the first of
+    overlapping packed steps (several engines, one loop thread each) turns it off, the last one
+    turns it back on if it was on; a flag someone else turned off stays off. Another thread's SDPA
+    calls during a step run without cuDNN too (the same results up to float rounding).
+    """
+    if device.type != "cuda":
+        yield
+        return
+    _CUDNN_SWITCH.acquire()
+    try:
+        yield
+    finally:
+        _CUDNN_SWITCH.release()
 
 
 def _model_eager(

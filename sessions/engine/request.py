@@ -137,6 +137,7 @@ class Request:
         if reserve_kv:
             self.kv_bytes = start.working_nbytes(new) if start is not None else working.nbytes if working else 0
         self.sampled_logits: list[torch.Tensor] | None = [] if keep_logits else None
+        self._stop_index: torch.Tensor | None = None  # the stop ids on the logits' device, made once
         self._channel: queue.SimpleQueue[int | RequestResult | BaseException] = queue.SimpleQueue()
         self._cancel_error: BaseException | None = None
         self._cancelled = threading.Event()
@@ -238,8 +239,11 @@ class Request:
         if self.sampler is None or self.params is None:
             raise RuntimeError(f"bug: prefill-only request {self.id} asked to sample")
         if self.stop_token_ids and not self.params.stop_tokens_allowed(len(self.generated)):
-            stop = torch.tensor(sorted(self.stop_token_ids), dtype=torch.long, device=logits.device)
-            logits = logits.index_fill(0, stop, float("-inf"))
+            # Made once per request: a tensor from a list is a host-to-device copy that waits for
+            # the device on CUDA, and `ignore_eos` masks at every step.
+            if self._stop_index is None or self._stop_index.device != logits.device:
+                self._stop_index = torch.tensor(sorted(self.stop_token_ids), dtype=torch.long, device=logits.device)
+            logits = logits.index_fill(0, self._stop_index, float("-inf"))
         return self.sampler(logits)
 
     def wants_to_stop(self, token: int) -> bool:
