@@ -235,10 +235,10 @@ def replay(
         if commit is not None and cache.full_layers:
             committing = time.perf_counter()
             if isinstance(log, QueryLog):
-                fresh = log.turn_scores()
-            else:  # the runner's commit: the turn's ids reconstructed on top of the cache
-                fresh = tuple(fitting.reconstruction_scores(cache, fed, commit.prompt_ids))
-            cache = cache.with_scores(committed_scores(fitted.cache, cache, fresh))
+                fresh, built_from = log.turn_scores(), fitted.cache
+            else:  # the runner's commit: the turn's ids reconstructed on a copy of the cache after it
+                fresh, built_from = tuple(fitting.reconstruction_scores(cache, fed, commit.prompt_ids)), cache
+            cache = cache.with_scores(committed_scores(fitted.cache, cache, fresh, built_from=built_from))
             timings[4].append(time.perf_counter() - committing)
         stream += len(fed)
     snapshots.append((cache, stream))

@@ -167,7 +167,8 @@ class TurnRunner:
         """`after` with the `agnostic` policy's scores, fixed now, before the next question is known:
         KVzip's reconstruction (Kim et al., NeurIPS 2025) of the ids this turn added to `start`
         (closing of the last reply, the turn, its reply), prefilled after the reconstruction prompt
-        on a copy of `after` that is dropped (`TurnWindow.reconstruction_scores`). Every held
+        on a copy of `after` that is dropped (`TurnWindow.reconstruction_scores`; the scores' columns
+        are that copy's slots, hence `built_from=after`). Every held
         token is scored by those queries; a token held before keeps the larger of that and its
         earlier score (`committed_scores`). Only the added ids are repeated: after a restore
         (no scores), the older tokens are scored by how much repeating this turn needs them.
@@ -190,7 +191,7 @@ class TurnRunner:
                 exc,
             )
             return after.with_scores(None)
-        return after.with_scores(committed_scores(start, after, tuple(fresh)))
+        return after.with_scores(committed_scores(start, after, tuple(fresh), built_from=after))
 
     def _stream(
         self,

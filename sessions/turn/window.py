@@ -29,8 +29,8 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
   a turn commits on it. A chunked rebuild (`prefill_evicting`) scores its chunks by their own
   queries instead (`cache.attention_scores.QueryLog`: no reconstruction pass per chunk).
   `benchmarks/window_quality.py` measures both scores: the reconstruction pays with per-head
-  budgets (Ada-KV); with the uniform budgets it is about even with the query log, at more cost
-  per commit (benchmarks/README.md, "KVzip's own scores").
+  budgets (Ada-KV, the default allocation); with uniform budgets it is about even with the query
+  log, at more cost per commit (benchmarks/README.md, "KVzip's own scores").
 
 Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer
 holds its window and no more (never scored past it); a model without full-attention layers demotes

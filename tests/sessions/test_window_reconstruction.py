@@ -3,7 +3,8 @@ of an eager forward pass over the same ids; nothing of the reconstruction kept; 
 layers never scored. As the `agnostic` policy serves them: each committed turn's own ids
 reconstructed once after its reply (never under `turns` or `attention`, never for a cancelled or
 failed turn); a failed reconstruction stores the turn with a cache that evicts by recency; after a
-restore, the next turn's reconstruction scores every held token."""
+restore, the next turn's reconstruction scores every held token; on a ragged cache (per-head
+budgets) each head is scored at its own slots of the reconstruction's buffer."""
 
 from __future__ import annotations
 
@@ -149,12 +150,13 @@ def test_an_agnostic_turn_commits_the_reconstruction_of_its_own_ids(tmp_path: Pa
     assert all(torch.equal(a, b) for a, b in zip(second.own_keys, plain.own_keys, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(second.own_values, plain.own_values, strict=True))
     turn1 = window.reconstruction_scores(first, first.own_token_ids, prompt)
-    expected_first = committed_scores(first.with_scores(None), first, tuple(turn1))
+    expected_first = committed_scores(first.with_scores(None), first, tuple(turn1), built_from=first)
     for got, want in zip(first.own_scores, expected_first, strict=True):
         torch.testing.assert_close(got, want)
     added = second.own_token_ids[len(first.own_token_ids) :]
     turn2 = window.reconstruction_scores(second, added, prompt)
-    for got, want in zip(second.own_scores, committed_scores(first, second, tuple(turn2)), strict=True):
+    expected = committed_scores(first, second, tuple(turn2), built_from=second)
+    for got, want in zip(second.own_scores, expected, strict=True):
         torch.testing.assert_close(got, want)
 
 
@@ -249,3 +251,39 @@ def test_after_a_restore_the_next_turn_scores_every_held_token_by_reconstructing
     for row, got in enumerate(cache.own_scores):
         assert got.shape == (fresh.shape[1], cache.own_tokens)
         torch.testing.assert_close(got, fresh[row, :, cache.base_tokens :])
+
+
+def test_on_a_ragged_cache_each_head_is_scored_at_its_own_slots_of_the_reconstruction(
+    tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-head budgets store layers ragged; the reconstruction's copy of the cache pads each layer's
+    heads to its longest, so head `h`'s own slot `i` is column `base + i` of the scores: a turn's
+    own tokens get their column's score, the older ones at least that (the max with their earlier
+    scores)."""
+    with open_windowed(tmp_path / "home", tiny_engine, "agnostic") as manager:
+        tenant = manager.create_tenant("acme").id
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:7]:
+            manager.chat(tenant, sid, message, max_new_tokens=8)
+        assert cache_of(manager, tenant, sid).ragged
+        fitting = manager.internals.runner.preparer.fitting
+        reconstruct = fitting.reconstruction_scores
+        seen: list[tuple[SessionCache, int, torch.Tensor]] = []
+
+        def keeping(cache: SessionCache, context_ids: list[int], *args: object) -> torch.Tensor:
+            scores = reconstruct(cache, context_ids, *args)  # type: ignore[arg-type]
+            seen.append((cache, len(context_ids), scores))
+            return scores
+
+        monkeypatch.setattr(fitting, "reconstruction_scores", keeping)
+        manager.chat(tenant, sid, MESSAGES[7], max_new_tokens=8)
+        stored = cache_of(manager, tenant, sid)
+    [(after, added, fresh)] = seen
+    assert after.ragged and stored.own_scores is not None
+    base = after.base_tokens
+    for row, layer in enumerate(after.full_layers):
+        heads = stored.head_rows(layer, stored.own_scores[row])
+        for head, (got, held) in enumerate(zip(heads, after.head_tokens(layer), strict=True)):
+            column = fresh[row, head, base : base + held]
+            torch.testing.assert_close(got[-added:], column[-added:], rtol=0, atol=0)
+            assert bool((got >= column).all())
