@@ -1,10 +1,11 @@
 """Window policies compared (issues 13, 31): `turns` (whole oldest turns demoted) against `attention`
 (tokens evicted per KV head by the attention of the new turn's last queries, SnapKV-style) and
 `agnostic` (the same eviction by scores fixed when the earlier turns committed), on the real default
-model, greedy. `agnostic` runs with two commit-time scores: `querylog` (the turn's own queries, as
-chatkv's runner serves it) and `kvzip` (KVzip's reconstruction, Kim et al., NeurIPS 2025: the
-model repeats the committed turn's ids after a "Repeat the previous context exactly." prompt on a
-copy of the cache, `TurnWindow.reconstruction_scores`; measured, not served).
+model, greedy. `agnostic` runs with two commit-time scores: `kvzip` (KVzip's reconstruction, Kim
+et al., NeurIPS 2025, as chatkv's runner serves it: the model repeats the committed turn's ids
+after a "Repeat the previous context exactly." prompt on a copy of the cache,
+`TurnWindow.reconstruction_scores`) and `querylog` (the turn's own queries, `QueryLog`: the
+pass-free approximation served before, measured here as the comparison).
 
 Each conversation is first run through chatkv with an unbounded window (the reference: exact cache,
 its greedy replies). Then, for each policy and context budget, the same conversation (the
@@ -235,10 +236,10 @@ def replay(
         if commit is not None and cache.full_layers:
             committing = time.perf_counter()
             if isinstance(log, QueryLog):
-                fresh = log.turn_scores()
-            else:  # the runner's commit: the turn's ids reconstructed on top of the cache
-                fresh = tuple(fitting.reconstruction_scores(cache, fed, commit.prompt_ids))
-            cache = cache.with_scores(committed_scores(fitted.cache, cache, fresh))
+                fresh, built_from = log.turn_scores(), fitted.cache
+            else:  # the runner's commit: the turn's ids reconstructed on a copy of the cache after it
+                fresh, built_from = tuple(fitting.reconstruction_scores(cache, fed, commit.prompt_ids)), cache
+            cache = cache.with_scores(committed_scores(fitted.cache, cache, fresh, built_from=built_from))
             timings[4].append(time.perf_counter() - committing)
         stream += len(fed)
     snapshots.append((cache, stream))

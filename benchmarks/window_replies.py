@@ -8,7 +8,9 @@ Then, for each policy, every turn is posted the way an OpenAI-style client posts
 every policy answers after the same history; a session whose own reply differed from the
 reference's does not hold the posted history, so chatkv forks or rebuilds it, as it would for any
 client. Reported per policy: of the turns on which the window had to act (`demoted_tokens > 0`),
-how many replies are identical to the reference's, and their median time to first token.
+how many replies are identical to the reference's, their median time to first token, and the
+median wall time of those turns (posting to the stored reply: under `agnostic` that includes the
+KVzip reconstruction each turn runs after its reply), with its ratio to `turns` in the same run.
 
     .venv/bin/python benchmarks/window_replies.py --threads 1
     .venv/bin/python benchmarks/window_replies.py --threads 1 --quick     # 3 conversations
@@ -54,8 +56,11 @@ def reference(engine: Any, args: Any, messages: list[str]) -> tuple[list[tuple[s
     return [(t, r.text) for t, r in zip(messages, replies, strict=True)], replies
 
 
-def posted(engine: Any, args: Any, policy: str, budget: int, history: list[tuple[str, str]]) -> list[Reply]:
-    """Each turn posted with the reference's earlier turns, under `policy` at `budget` tokens."""
+def posted(
+    engine: Any, args: Any, policy: str, budget: int, history: list[tuple[str, str]]
+) -> list[tuple[Reply, float]]:
+    """Each turn posted with the reference's earlier turns, under `policy` at `budget` tokens, with
+    its wall time in seconds (from the post until the turn was stored)."""
     settings = {"context_budget_tokens": budget, "window_policy": policy, "window_recent_tokens": args.recent}
     out = []
     with (
@@ -64,12 +69,13 @@ def posted(engine: Any, args: Any, policy: str, budget: int, history: list[tuple
     ):
         tenant = m.create_tenant("bench")
         for index, (text, _) in enumerate(history):
+            began = time.perf_counter()
             turn = m.continue_history(tenant, SYSTEM_PROMPT, history[:index], text, max_new_tokens=args.reply)
             items = list(turn)
             reply = items[-1]
             if not isinstance(reply, Reply):
                 raise RuntimeError("bug: a posted turn ended without its reply")
-            out.append(reply)
+            out.append((reply, time.perf_counter() - began))
     return out
 
 
@@ -88,30 +94,35 @@ def main() -> None:
         [f"{count} conversations of {args.turns} turns, {args.reply}-token replies, recent tokens {args.recent}"],
     )
     started = time.perf_counter()
-    tally: dict[str, dict[str, Any]] = {p: {"evicting": 0, "same": 0, "ttft": []} for p in POLICIES}
+    tally: dict[str, dict[str, Any]] = {p: {"evicting": 0, "same": 0, "ttft": [], "turn": []} for p in POLICIES}
     for c in range(count):
         began = time.perf_counter()
         history, ref = reference(engine, args, messages_of(engine, c, args.turns))
         budget = int(ref[-1].stats.cache_tokens * BUDGET_SHARE)
         line = [f"  conversation {c}: {ref[-1].stats.cache_tokens} tokens, budget {budget}"]
         for policy in POLICIES:
-            replies = posted(engine, args, policy, budget, history)
-            acted = [(r, want) for r, want in zip(replies, ref, strict=True) if r.stats.demoted_tokens > 0]
-            same = sum(r.token_ids == want.token_ids for r, want in acted)
+            timed = posted(engine, args, policy, budget, history)
+            acted = [(r, s, want) for (r, s), want in zip(timed, ref, strict=True) if r.stats.demoted_tokens > 0]
+            same = sum(r.token_ids == want.token_ids for r, _, want in acted)
             tally[policy]["evicting"] += len(acted)
             tally[policy]["same"] += same
-            tally[policy]["ttft"] += [r.stats.ttft_s for r, _ in acted]
+            tally[policy]["ttft"] += [r.stats.ttft_s for r, _, _ in acted]
+            tally[policy]["turn"] += [s for _, s, _ in acted]
             line.append(f"{policy} {same}/{len(acted)}")
         print(", ".join(line) + f" ({time.perf_counter() - began:.0f} s)", flush=True)
     rows = []
+    base = {k: median(tally["turns"][k]) if tally["turns"][k] else 0.0 for k in ("ttft", "turn")}
     for policy in POLICIES:
         t = tally[policy]
         share = t["same"] / t["evicting"] if t["evicting"] else 0.0
-        ttft = f"{median(t['ttft']) * 1000:.0f} ms" if t["ttft"] else "-"
-        rows.append([policy, f"{t['same']} of {t['evicting']}", f"{share:.0%}", ttft])
+        row = [policy, f"{t['same']} of {t['evicting']}", f"{share:.0%}"]
+        for k in ("ttft", "turn"):
+            m = median(t[k]) if t[k] else 0.0
+            row.append(f"{m * 1000:.0f} ms ({m / base[k]:.2f}x)" if t[k] and base[k] else "-")
+        rows.append(row)
     print_table(
         "Replies identical to the unbounded window's, on the turns where the window acted",
-        ["policy", "identical", "share", "median TTFT of those turns"],
+        ["policy", "identical", "share", "median TTFT of those turns (vs turns)", "median turn wall time (vs turns)"],
         rows,
     )
     print(f"total run time {time.perf_counter() - started:.0f} s")

@@ -18,11 +18,13 @@ is computed here against the cached keys, for `window_tokens` queries per model 
     queries captured                                                            |   ...  | last W     |
     scores                            | sum over W, over each KV group's query heads; max-pooled       |
 
-The `agnostic` policy's `QueryLog` keeps every query of a turn instead (prefill and reply, the last
-1,024 per model layer) and scores the whole buffer when the turn commits: an approximation of KVzip
-(Kim et al., NeurIPS 2025), whose own score, `ReconstructionScores` (the most attention any query of
-a prompt that repeats the context pays each KV pair; `sessions.turn.window.TurnWindow.
-reconstruction_scores` runs that prefill), is measured in `benchmarks/window_quality.py`, not served.
+The `agnostic` policy's scores are KVzip's (Kim et al., NeurIPS 2025): `ReconstructionScores`, the
+most attention any query of a prompt that repeats the context pays each KV pair, captured while
+`sessions.turn.window.TurnWindow.reconstruction_scores` prefills that prompt after each committed
+turn (served: the runner runs it once per committed turn). `QueryLog` keeps every query of a turn
+instead (prefill and reply, the last 1,024 per model layer): a pass-free approximation, served only
+where a chunked rebuild scores its chunks, and measured against the reconstruction in
+`benchmarks/window_quality.py` (its `querylog` rows).
 """
 
 from __future__ import annotations
@@ -168,18 +170,22 @@ QUERY_LOG_TOKENS = 1024
 
 class QueryLog(ObservationWindow):
     """Captures the query states of every full-attention model layer while a whole turn runs
-    (its prefill chunks and decode steps), for the `agnostic` window policy's commit-time scores.
+    (its prefill chunks and decode steps): the pass-free approximation of the `agnostic` window
+    policy's scores. Measured, not served on the turn path: a committed turn is scored by KVzip's
+    reconstruction (`ReconstructionScores`); only a chunked rebuild's chunks are scored by their
+    own queries (`TurnWindow.prefill_evicting`, where a reconstruction per chunk would double the
+    rebuild), and `benchmarks/window_quality.py`'s `querylog` rows replay it at every commit.
 
     KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
     NeurIPS 2025) scores each KV pair by the most attention it receives while the model repeats
-    its context, a score no later question changes. This is a cheaper approximation that costs no
-    extra pass: the queries the conversation itself ran (each turn's prompt and reply) stand in for
-    the reconstruction's, and a pair's score is the most attention any of them paid it (KVzip's max
+    its context, a score no later question changes. This approximation costs no extra pass: the
+    queries the conversation itself ran (each turn's prompt and reply) stand in for the
+    reconstruction's, and a pair's score is the most attention any of them paid it (KVzip's max
     over queries and the query heads of a KV group), accumulated as turns commit
-    (`cache.token_eviction.committed_scores`). Measured against the reconstruction itself
-    (`ReconstructionScores`, `benchmarks/window_quality.py`): no worse with the served uniform
-    budgets (better at 25-50% of the context), at a ninth of its cost; the reconstruction wins only
-    with per-head (Ada-KV) budgets, which are not served.
+    (`cache.token_eviction.committed_scores`). Measured against the reconstruction
+    (benchmarks/README.md, "KVzip's own scores"): about even with the uniform budgets (better at
+    25-50% of the context), at a ninth of its cost per commit; the reconstruction wins with
+    per-head (Ada-KV) budgets.
 
     Attach to the turn's working cache before it is submitted (`with` block), `turn_scores` after
     it finished. At most

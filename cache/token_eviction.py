@@ -21,8 +21,10 @@ model layer; both need ragged tensors, so they are measured as masks over the fu
     kept                  | t0          | t1: top k1    | t2: top k2    | t3          |
 
 The `agnostic` policy evicts the same way by scores fixed when the earlier turns committed
-(`committed_scores`, `stored_scores`; KVzip's question-agnostic scoring, Kim et al., NeurIPS 2025,
-approximated from the conversation's own queries: `cache.attention_scores.QueryLog`).
+(`committed_scores`, `stored_scores`): KVzip's question-agnostic scores (Kim et al., NeurIPS 2025),
+the attention the model pays each token while it repeats each committed turn's ids
+(`cache.attention_scores.ReconstructionScores`, run by the turn runner after the reply); a chunked
+rebuild's chunks are scored by their own queries (`cache.attention_scores.QueryLog`).
 
 Kept keys keep their RoPE positions (no re-rotation): they were rotated at the position they had
 when computed, so each one's distance to a new query, whose position continues from
@@ -417,8 +419,9 @@ def committed_scores(
         before, after: the cache before and after the turn.
         fresh: per full layer `[kv_heads, slots]`: scores of the slots of the working buffer of
             `built_from` (`SessionCache.to_working_cache`) and of the tokens written after them:
-            the turn's own buffer (`built_from` is `before`, the default: `QueryLog.turn_scores`),
-            or a buffer built from `after` (KVzip's reconstruction, `ReconstructionScores`).
+            a buffer built from `after` (as served: KVzip's reconstruction of the turn's ids,
+            `ReconstructionScores`), or the turn's own buffer (`built_from` is `before`, the
+            default: a chunked rebuild's chunk scored by its own queries, `QueryLog.turn_scores`).
         built_from: see `fresh`.
 
     Raises:

@@ -67,7 +67,8 @@ class WindowPolicy:
             `cache.token_eviction`; the rebuild path demotes whole turns only until the turn
             fits the budget plus a share of it, then prefills that in chunks and evicts:
             `sessions/turn/preparer.py`) or `agnostic` (lossy, the same eviction by scores fixed
-            when earlier turns committed, whatever is asked next: `sessions/turn/window.py`).
+            when earlier turns committed, whatever is asked next: KVzip's reconstruction of each
+            committed turn's ids, run after its reply, `sessions/turn/window.py`).
         recent_tokens: under `attention` and `agnostic`, most recent own tokens never evicted.
         observation_tokens: under `attention`, queries at the end of the new turn's prefill whose
             attention scores the cached tokens (`cache.attention_scores`).

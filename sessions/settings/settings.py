@@ -167,7 +167,8 @@ class Settings:
     """What goes when a turn would exceed the context budget: `turns` (exact per layer: whole
     oldest unpinned turns), `attention` (lossy: each KV head evicts the tokens of unpinned turns
     that the new turn's last queries attend to least, SnapKV-style) or `agnostic` (lossy: the same
-    eviction by scores fixed when the earlier turns committed, whatever is asked next;
+    eviction by scores fixed when the earlier turns committed, whatever is asked next: KVzip's
+    reconstruction of each turn's ids, one extra prefill per turn after its reply;
     docs/architecture.md)."""
     window_budget_allocation: BudgetAllocation = "per_head"
     """Under `attention` and `agnostic`, how an eviction spends the kept tokens over KV heads:

@@ -7,6 +7,13 @@ request is finished at the loop's next step and the reply returned is cut before
 (what the turn then stores: `sessions.turn.completion`). With `min_new_tokens`, neither a stop
 token (masked in sampling: `Request.sample`) nor a stop string ends a reply before that many tokens.
 
+Under the `agnostic` window policy the runner also fixes the committed cache's scores, after the
+reply was streamed and before the outcome is returned for storing (so no later turn sees the cache
+without them): KVzip's reconstruction of the ids the turn added (`_commit_scores`), a prefill-only
+request of the engine loop per chunk. A turn cancelled or failed before its reply was complete
+never gets there; a reconstruction that fails loses only the scores (the cache evicts by recency
+until a later turn scores it), never the turn.
+
 The runner also keeps count of what is in flight: the turns being prepared, per tenant (they show
 as running turns), and each session's engine request, so a deleted session or a closing manager
 can cancel it.
@@ -14,14 +21,14 @@ can cancel it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Generator, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 
-from cache.attention_scores import QueryLog
 from cache.ids import SessionId, TenantId
 from cache.lease import Lease
 from cache.session_cache import BaseLayer, SessionCache
@@ -39,6 +46,9 @@ from sessions.turn.prepared import PendingBase, PreparedTurn
 from sessions.turn.preparer import TurnPreparer
 from sessions.turn.stop_strings import NO_STOP, StopScanner, StopStrings
 from sessions.turn.transcript import Transcript
+from sessions.turn.window import RECONSTRUCTION_INSTRUCTION
+
+log = logging.getLogger(__name__)
 
 
 class TurnRunner:
@@ -55,6 +65,7 @@ class TurnRunner:
         self._active_lock = threading.Lock()
         self._preparing: Counter[TenantId] = Counter()
         self._closed_error: BaseException | None = None
+        self._reconstruction_prompt = preparer.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION)
 
     @contextmanager
     def _running(self, key: CacheKey, request: Request, cancel: CancelToken | None) -> Iterator[None]:
@@ -143,21 +154,44 @@ class TurnRunner:
         started = time.perf_counter()
         with self._preparation(tenant_id):
             prepared = self.preparer.prepare(tenant_id, session_id, transcript, user_text, params, lease, cancel)
-        log = None
-        if self.preparer.window.policy == "agnostic" and prepared.cache.full_layers:
-            prepared = _with_working(prepared, params.max_new_tokens)
-            log = QueryLog(prepared.start.working)  # type: ignore[arg-type]  # just built
-        with log if log is not None else nullcontext():
-            generation = yield from self._stream(prepared, params, stop, started, lease, cancel)
+        generation = yield from self._stream(prepared, params, stop, started, lease, cancel)
         start = self._start_cache(prepared, generation.working, lease)
         outcome = complete_turn(
             prepared, generation, start=start, transcript=transcript, user_text=user_text, rules=self.rules
         )
-        if log is not None and outcome.cache is not None:
-            # The `agnostic` policy's scores, fixed now, before the next question is known.
-            scores = committed_scores(start, outcome.cache, log.turn_scores())
-            outcome = replace(outcome, cache=outcome.cache.with_scores(scores))
+        if self.preparer.window.policy == "agnostic" and outcome.cache is not None and outcome.cache.full_layers:
+            outcome = replace(outcome, cache=self._commit_scores(lease.key, start, outcome.cache))
         yield outcome
+
+    def _commit_scores(self, key: CacheKey, start: SessionCache, after: SessionCache) -> SessionCache:
+        """`after` with the `agnostic` policy's scores, fixed now, before the next question is known:
+        KVzip's reconstruction (Kim et al., NeurIPS 2025) of the ids this turn added to `start`
+        (closing of the last reply, the turn, its reply), prefilled after the reconstruction prompt
+        on a copy of `after` that is dropped (`TurnWindow.reconstruction_scores`; the scores' columns
+        are that copy's slots, hence `built_from=after`). Every held
+        token is scored by those queries; a token held before keeps the larger of that and its
+        earlier score (`committed_scores`). Only the added ids are repeated: after a restore
+        (no scores), the older tokens are scored by how much repeating this turn needs them.
+
+        A reconstruction that raises `RuntimeError` (out of memory, a failed forward pass: the
+        engine loop hands its errors to the request) is logged as one warning and the cache is
+        returned without scores: it evicts by recency (`stored_scores`) until a later turn scores
+        it, and the turn is stored all the same."""
+        added = after.own_token_ids[len(start.own_token_ids) :]
+        if not added:  # nothing new to reconstruct: earlier scores stand (recency where none)
+            return after.with_scores(start.own_scores)
+        try:
+            fresh = self.preparer.fitting.reconstruction_scores(after, added, self._reconstruction_prompt)
+        # The scores only steer later evictions; losing them must not lose the reply just streamed.
+        except RuntimeError as exc:
+            log.warning(
+                "session %s: KVzip reconstruction failed (%s); "
+                "its cache evicts by recency until a later turn scores it",
+                key.name,
+                exc,
+            )
+            return after.with_scores(None)
+        return after.with_scores(committed_scores(start, after, tuple(fresh), built_from=after))
 
     def _stream(
         self,
@@ -241,12 +275,3 @@ class TurnRunner:
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
         base = BaseLayer(pending.key, pending.token_ids, keys, values)
         return self.preparer.reuse.adopt_base(lease, base)
-
-
-def _with_working(prepared: PreparedTurn, max_new_tokens: int) -> PreparedTurn:
-    """`prepared` with its working buffer built here rather than at the loop's admission (the same
-    buffer: `Request`), so a `QueryLog` can be attached to it before the loop runs it."""
-    if prepared.start.working is not None:
-        return prepared
-    working = prepared.cache.to_working_cache(len(prepared.prefill) + max_new_tokens)
-    return replace(prepared, start=replace(prepared.start, working=working))

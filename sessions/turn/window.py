@@ -20,13 +20,17 @@ Two policies (`Settings.window_policy`, docs/architecture.md "Context window"):
 
 - `agnostic` (lossy, question-agnostic): evicts like `attention`, but by scores fixed when the
   previous turns committed (`SessionCache.own_scores`), so the kept set does not depend on the
-  next question and the window step prefills nothing: the most attention each token received
-  from any query of the turns after it (`cache.attention_scores.QueryLog`, logged by the
-  runner), an approximation of KVzip's reconstruction scores (Kim et al., NeurIPS 2025).
-  `reconstruction_scores` computes KVzip's own (the model repeats the context on a copy of the
-  cache); `benchmarks/window_quality.py` measures them: they beat the approximation only with
-  per-head budgets (Ada-KV), which the rectangular session cache does not hold, so they are not
-  served.
+  next question and the window step prefills nothing. The scores are KVzip's (Kim et al.,
+  NeurIPS 2025): when a turn commits, after its reply was streamed, the runner has the model
+  repeat the ids the turn added on a copy of the cache (`reconstruction_scores`, prefill-only
+  requests of the engine loop) and each held token keeps the most attention any reconstruction
+  query paid it, over the turns so far (`sessions.turn.runner.TurnRunner._commit_scores`). A
+  cache without scores (restored from a blob, or a failed reconstruction) evicts by recency until
+  a turn commits on it. A chunked rebuild (`prefill_evicting`) scores its chunks by their own
+  queries instead (`cache.attention_scores.QueryLog`: no reconstruction pass per chunk).
+  `benchmarks/window_quality.py` measures both scores: the reconstruction pays with per-head
+  budgets (Ada-KV, the default allocation); with uniform budgets it is about even with the query
+  log, at more cost per commit (benchmarks/README.md, "KVzip's own scores").
 
 Only full-attention model layers evict under `attention` and `agnostic`: a sliding-window layer
 holds its window and no more (never scored past it); a model without full-attention layers demotes

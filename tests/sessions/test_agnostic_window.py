@@ -1,6 +1,7 @@
 """The `agnostic` window policy through the manager: eviction per KV head by scores fixed when the
-previous turns committed, so the kept set does not depend on the next question; scores follow the
-cache; a restored cache without scores evicts by recency; no eviction, no difference."""
+previous turns committed (KVzip's reconstruction of each turn, run after its reply), so the kept set
+does not depend on the next question; scores follow the cache and a fork at its end; a restored
+cache without scores evicts by recency; no eviction, no difference."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from cache.session_cache import SessionCache
 from sessions.engine import Engine
 from sessions.manager import SessionManager
 from tests.sessions.offload_helpers import reference_reply
-from tests.sessions.window_helpers import BUDGET, MESSAGES, RECENT, SYSTEM, cache_of, open_windowed
+from tests.sessions.window_helpers import (
+    BUDGET,
+    MESSAGES,
+    RECENT,
+    SYSTEM,
+    cache_of,
+    open_windowed,
+    record_reconstructions,
+)
 
 
 def open_manager(home: Path, engine: Engine, **overrides: object) -> SessionManager:
@@ -125,6 +134,21 @@ def test_an_unevicted_agnostic_parent_forks_warm_and_exact_with_its_scores_cut(
         assert cache.own_scores is not None  # the prefix's scores, cut to it, then this turn's
 
 
+def test_a_fork_at_an_evicted_parents_latest_turn_keeps_its_scores(tmp_path: Path, tiny_engine: Engine) -> None:
+    """`SessionCache.prefix` at the cache's end: the fork holds the parent's cache as it is, its
+    commit-time scores included, so its next eviction is the parent's (no recency fallback)."""
+    with open_manager(tmp_path / "home", tiny_engine) as manager:
+        tenant = manager.create_tenant("acme").id
+        parent = manager.open_session(tenant, system_prompt=SYSTEM)
+        for message in MESSAGES[:7]:
+            manager.chat(tenant, parent, message, max_new_tokens=8)
+        held = cache_of(manager, tenant, parent)
+        fork = manager.fork(tenant, parent, 7)
+        forked = cache_of(manager, tenant, fork)
+    assert held.evicted_tokens > 0 and held.own_scores is not None and forked.own_scores is not None
+    assert all(a is b for a, b in zip(forked.own_scores, held.own_scores, strict=True))
+
+
 @pytest.mark.parametrize("policy", ["attention", "agnostic"])
 def test_an_evicted_parent_is_forked_by_rebuilding_exactly(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
     with open_manager(tmp_path / "home", tiny_engine, window_policy=policy, window_observation_tokens=8) as manager:
@@ -141,9 +165,13 @@ def test_an_evicted_parent_is_forked_by_rebuilding_exactly(tmp_path: Path, tiny_
 
 
 @pytest.mark.parametrize("policy", ["attention", "agnostic"])
-def test_sessions_evicting_at_once_reply_as_they_do_alone(tmp_path: Path, tiny_engine: Engine, policy: str) -> None:
+def test_sessions_evicting_at_once_reply_as_they_do_alone(
+    tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
     """Four sessions evicting while the engine loop packs their steps together: each keeps its
-    own query log and observation window, and replies as when it runs alone."""
+    own observation window (`attention`) or runs its own reconstruction after each reply
+    (`agnostic`: prefill-only requests of the loop, packed with the others' steps), and replies
+    as when it runs alone."""
 
     def converse(manager: SessionManager, tenant: str, offset: int, out: dict[int, list[tuple[int, ...]]]) -> None:
         sid = manager.open_session(tenant, system_prompt=SYSTEM)
@@ -160,6 +188,7 @@ def test_sessions_evicting_at_once_reply_as_they_do_alone(tmp_path: Path, tiny_e
     tiny_engine.loop.add_observer(packed)
     try:
         with open_manager(tmp_path / "together", tiny_engine, window_policy=policy) as manager:
+            reconstructions = record_reconstructions(manager, monkeypatch)
             tenant = manager.create_tenant("acme").id
             threads = [threading.Thread(target=converse, args=(manager, tenant, o, together)) for o in range(4)]
             for thread in threads:
@@ -170,6 +199,7 @@ def test_sessions_evicting_at_once_reply_as_they_do_alone(tmp_path: Path, tiny_e
         tiny_engine.loop.remove_observer(packed)
     assert together == alone
     assert packed.requests > 1  # the loop did run them together
+    assert len(reconstructions) == (4 * 7 if policy == "agnostic" else 0)  # one per stored turn
 
 
 class LargestStep:

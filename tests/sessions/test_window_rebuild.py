@@ -50,9 +50,10 @@ def test_a_chunked_rebuild_never_holds_more_than_the_budget_plus_a_chunk(
         cache = cache_of(manager, tenant, sid)
     assert reply.stats.restored_from == "rebuilt"
     per_token = tiny_engine.layout.bytes_per_token
-    # Under `attention` the turn's own prefill scores on a copy of the cache as well (the last
-    # reservation); every chunk's buffer holds the cache so far (at most the budget) and a chunk.
-    chunks = reserved[:-1] if policy == "attention" else reserved
+    # The last reservation is a copy of the cache for scores: under `attention` the turn's own
+    # prefill, under `agnostic` the reconstruction of the committed turn (after the reply); every
+    # chunk's buffer holds the cache so far (at most the budget) and a chunk.
+    chunks = reserved[:-1]
     # Per-head budgets hold the budget's bytes at rest; a chunk's working buffer pads each model
     # layer's heads to its longest one (its holes), which these few heads keep within an eighth.
     padding = 0 if allocation == "uniform" else BUDGET // 8

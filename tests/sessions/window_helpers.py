@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from cache.session_cache import SessionCache
 from sessions.engine import Engine
@@ -49,3 +52,19 @@ def record_reservations(manager: SessionManager, monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(manager.internals.tiers, "reserve_device_bytes", recording)
     return reserved
+
+
+def record_reconstructions(manager: SessionManager, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The context ids of every KVzip reconstruction the manager's turns run from now on
+    (`TurnWindow.reconstruction_scores`, run by the runner when an `agnostic` turn commits), in
+    order, as a list that fills as they come (from any thread)."""
+    calls: list[tuple[int, ...]] = []
+    fitting = manager.internals.runner.preparer.fitting
+    reconstruct = fitting.reconstruction_scores
+
+    def recording(cache: SessionCache, context_ids: Sequence[int], *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(tuple(context_ids))
+        return reconstruct(cache, context_ids, *args, **kwargs)
+
+    monkeypatch.setattr(fitting, "reconstruction_scores", recording)
+    return calls
