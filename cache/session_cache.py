@@ -137,11 +137,11 @@ class SessionCache:
     """Per model layer, the sliding window W of a sliding-window layer (it holds its tail, see the
     module docstring) or `None` for a full-attention layer; empty: every layer is full."""
     own_scores: tuple[torch.Tensor, ...] | None = field(default=None, compare=False)
-    """Importance of the held own tokens under the `agnostic` window policy (`cache.attention_scores.
-    QueryLog`): per full-attention model layer (`full_layers` order) a `[kv_heads, own_tokens]`
-    float32 CPU tensor (a ragged layer's: `[1, n_0 + ... + n_{h-1}]`), accumulated when turns
-    commit; `None` when not scored (another policy, or a cache restored from a blob, which does
-    not store them)."""
+    """Importance of the held own tokens under the `agnostic` window policy (KVzip's reconstruction
+    scores, `cache.attention_scores.ReconstructionScores`): per full-attention model layer
+    (`full_layers` order) a `[kv_heads, own_tokens]` float32 CPU tensor (a ragged layer's: `[1, n_0
+    + ... + n_{h-1}]`), accumulated when turns commit; `None` when not scored (another policy, or a
+    cache restored from a blob, which does not store them)."""
     own_head_tokens: tuple[tuple[int, ...] | None, ...] | None = None
 
     def __post_init__(self) -> None:

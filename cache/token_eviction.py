@@ -6,15 +6,20 @@ Li et al., 2024; the heavy-hitter idea of H2O: Zhang et al., 2023). The base lay
 and pinned turns: StreamingLLM's attention sinks and more, Xiao et al., 2023) and the most recent
 `recent_tokens` are never evicted.
 
-Tensors stay rectangular: every head keeps the same number of tokens of each turn layer. That
-count is chosen from the scores too: each head's top tokens over the whole evictable span are
-counted per layer and the mean over heads and model layers becomes the layer's quota (largest
-remainder, so the quotas sum to what must be kept); then each head keeps its own top tokens within
-each layer's quota. So the layer table stays a list of contiguous runs (`LayerSpan.token_count`
-held, `evicted_tokens` gone) while the sets held differ per head (`SessionCache.own_stream_index`).
-Ada-KV (Feng et al., 2024) lets the count differ per head and PyramidKV (Cai et al., 2024) per
-model layer; both need ragged tensors, so they are measured as masks over the full cache
-(`cache.budget_allocation`, `benchmarks/window_quality.py`), not served.
+Every full model layer then holds `kv_heads * (own_tokens - evicted)` own tokens in all, spent
+over its heads by an allocation (`evict_by_scores`):
+
+- `per_head` (Ada-KV, Feng et al., 2024; the default): a layer's heads share its kept tokens by
+  score, so the counts differ per head and the layer is stored ragged (`SessionCache.own_head_tokens`);
+  the layer table then counts each turn layer's tokens per head on average.
+- `uniform`: every head keeps the same number of tokens of each turn layer, chosen from the
+  scores too: each head's top tokens over the whole evictable span are counted per layer and the
+  mean over heads and model layers becomes the layer's quota (largest remainder, so the quotas
+  sum to what must be kept); then each head keeps its own top tokens within each layer's quota.
+  The tensors stay rectangular and the layer table exact per head.
+
+Either way the sets held differ per head (`SessionCache.own_stream_index`). PyramidKV's per-layer
+counts (Cai et al., 2024) are measured as masks only (`cache.budget_allocation`).
 
     own slots, one head   | t0 (pinned) | t1 .......... | t2 .......... | t3 (recent) |
     evictable                           |<------------------------->|
