@@ -61,7 +61,12 @@ def posted(
 ) -> list[tuple[Reply, float]]:
     """Each turn posted with the reference's earlier turns, under `policy` at `budget` tokens, with
     its wall time in seconds (from the post until the turn was stored)."""
-    settings = {"context_budget_tokens": budget, "window_policy": policy, "window_recent_tokens": args.recent}
+    settings = {
+        "context_budget_tokens": budget,
+        "window_policy": policy,
+        "window_recent_tokens": args.recent,
+        "window_budget_allocation": args.allocation,
+    }
     out = []
     with (
         temp_dir(f"replies-{policy}") as root,
@@ -85,6 +90,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8, help="turns per conversation")
     parser.add_argument("--reply", type=int, default=24, help="greedy reply tokens per turn")
     parser.add_argument("--recent", type=int, default=32, help="window_recent_tokens of the lossy policies")
+    parser.add_argument(
+        "--allocation",
+        choices=("uniform", "per_head"),
+        default="per_head",
+        help="window_budget_allocation of the lossy policies (default per_head, as served)",
+    )
     args = parser.parse_args()
     count = args.conversations or (3 if args.quick else 6)
     engine = setup(args)
