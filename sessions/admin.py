@@ -208,6 +208,9 @@ class AdminOps:
             "owner": detail.owner,
             "owner_url": detail.owner_url,
             "redis_copy": detail.shared_copy,
+            "held_per_kv_head": None
+            if detail.held_per_head is None
+            else {"min": detail.held_per_head[0], "max": detail.held_per_head[1]},
         }
 
     def evict_session(self, tenant: str, session_id: str, to: str) -> Json:

@@ -60,6 +60,10 @@ class SessionDetail:
     owner_url: str | None = None
     shared_copy: bool = False
     """Whether the Redis tier holds a copy of the session's cache (any version)."""
+    held_per_head: tuple[int, int] | None = None
+    """Under per-head budgets (a ragged cache), the fewest and most own tokens a KV head of a full
+    model layer holds (the layer table's counts are their mean); `None` when every head holds the
+    same."""
 
 
 class SessionCatalogue:
@@ -252,6 +256,7 @@ class SessionCatalogue:
             owner=owner,
             owner_url=owner_url,
             shared_copy=self._tiers.has_shared_copy(key),
+            held_per_head=_held_per_head(cache) if cache is not None and cache.ragged else None,
         )
 
     def _open_stored(self, key: CacheKey) -> SessionCache | None:
@@ -291,3 +296,9 @@ class SessionCatalogue:
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         return tier.value if tier else None
+
+
+def _held_per_head(cache: SessionCache) -> tuple[int, int]:
+    """The fewest and most own tokens any KV head of a full model layer of `cache` holds."""
+    counts = [n for layer in cache.full_layers for n in cache.head_tokens(layer)]
+    return min(counts), max(counts)

@@ -84,12 +84,14 @@ def budgets(tiers: TierConfig, derived: frozenset[str]) -> None:
 
 
 def window(config: WindowConfig, budget_tokens: int, context_tokens: int, scheduler: SchedulerConfig) -> None:
+    lossy = config.window_policy in ("attention", "agnostic")
     log.info(
-        "context window %d of the model's %d tokens (policy %s); engine loop: %d tokens per step (%d of them "
+        "context window %d of the model's %d tokens (policy %s%s); engine loop: %d tokens per step (%d of them "
         "prefill), %d running requests",
         budget_tokens,
         context_tokens,
         config.window_policy,
+        f", {config.window_budget_allocation.replace('_', '-')} budgets" if lossy else "",
         scheduler.max_step_tokens,
         scheduler.max_prefill_tokens,
         scheduler.max_running_requests,

@@ -111,6 +111,7 @@ def _render_inspect(detail: Json) -> None:
             ("fingerprint", detail["model_fingerprint"] + ("" if detail["model_fingerprint_matches"] else " (stale)")),
             ("last ttft", None if ttft is None else f"{ttft * 1000:.1f} ms"),
             ("cache bytes", detail["cache_bytes"]),
+            *_per_head_pairs(detail),
             *_replica_pairs(detail),
         ]
     )
@@ -140,6 +141,16 @@ def _origin_text(session: Json) -> str:
     return ORIGINS.get(origin, origin)
 
 
+def _per_head_pairs(detail: Json) -> list[tuple[str, object]]:
+    """Under per-head budgets, the spread of the KV heads' own tokens (the table shows their mean)."""
+    held = detail.get("held_per_kv_head")
+    if not held:
+        return []
+    return [
+        ("held per KV head", f"{held['min']} to {held['max']} own tokens (per-head budgets; the table: their mean)")
+    ]
+
+
 def _replica_pairs(detail: Json) -> list[tuple[str, object]]:
     """The owner and the Redis copy, for a replica (absent from a single process's answer)."""
     if "owner" not in detail or (detail["owner"] is None and not detail["redis_copy"]):
@@ -158,7 +169,8 @@ def sessions_inspect(
     """Show a session: transcript summary, layer table, model fingerprint, last TTFT.
 
     The layer table has one row per layer: kind (base or turn), turn, tokens held per KV head,
-    tokens evicted per head (window_policy attention or agnostic), RoPE positions (a half-open range: [0, 21)
+    tokens evicted per head (window_policy attention or agnostic; under per-head budgets both are
+    means over the KV heads, whose spread a 'held per KV head' line gives), RoPE positions (a half-open range: [0, 21)
     is positions 0 to 20), precision, tier and bytes (the layer's share of the cache by tokens).
     The system-prompt prefix lives in the tenant's shared prefix pool. A stored cache is decrypted
     to read its layers.

@@ -226,6 +226,24 @@ def test_sessions_inspect_show_and_export(cli: Cli, home: Path, tiny_engine: Eng
     ]
 
 
+def test_inspect_shows_the_spread_of_per_head_budgets(cli: Cli, home: Path, tiny_engine: Engine) -> None:
+    """Under per-head budgets the table's counts are means over the KV heads; inspect gives their spread."""
+    settings = make_settings(home, context_budget_tokens=200, window_policy="attention", window_recent_tokens=24)
+    with SessionManager(settings, engine=tiny_engine) as manager:
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt="You are terse.")
+        for turn in range(8):
+            manager.chat(tenant, sid, f"note {turn}: the parcel number is {1000 + 37 * turn}", max_new_tokens=8)
+    detail = cli.json("sessions", "inspect", sid, "--tenant", "acme")
+    held = detail["held_per_kv_head"]
+    assert held is not None and held["min"] < held["max"]
+    assert sum(row.get("evicted", 0) for row in detail["layers"]) > 0
+    plain = cli.ok("sessions", "inspect", sid, "--tenant", "acme").stdout
+    assert re.search(rf"^held per KV head +{held['min']} to {held['max']} own tokens", plain, re.MULTILINE), plain
+    rectangular = _populate(home, tiny_engine, "globex")["globex"]
+    assert cli.json("sessions", "inspect", rectangular, "--tenant", "globex")["held_per_kv_head"] is None
+
+
 def test_evict_drop_and_delete(cli: Cli, home: Path, tiny_engine: Engine) -> None:
     sid = _populate(home, tiny_engine, "acme")["acme"]
     refused = cli("sessions", "evict", sid, "--tenant", "acme", "--to", "host")
