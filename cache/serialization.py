@@ -225,9 +225,32 @@ def session_cache_from_tensors(
     if list(header.get("windows", [])) != expected:
         raise MalformedCache(f"the blob's layer windows {header.get('windows')} are not the model's {expected}")
     try:
-        return _session_cache_from_tensors(tensors, header, torch.device(device), tuple(expected))
-    except (KeyError, IndexError, TypeError, RuntimeError) as exc:
+        cache = _session_cache_from_tensors(tensors, header, torch.device(device), tuple(expected))
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         raise MalformedCache(f"session cache does not decode: {exc}") from exc
+    _check_held_streams(cache)
+    return cache
+
+
+def _check_held_streams(cache: SessionCache) -> None:
+    """Raise `MalformedCache` unless every KV head's stream index (`own_stream_index`, split by the
+    header's `head_tokens` when ragged) is ascending and within the own tokens' stream indices
+    (from `base_tokens`), as the cache that wrote it kept it: counts that sum right but split the
+    slots wrongly (negative, swapped), or indices out of range, would otherwise decode and fail,
+    or read the wrong pins, in a later turn."""
+    for layer in range(len(cache.own_keys)):
+        counts = cache.ragged_counts(layer)
+        if counts is not None and any(n < 0 for n in counts):
+            raise MalformedCache(f"model layer {layer}'s head token counts {list(counts)} are negative")
+        if cache.own_stream_index is None:
+            continue
+        for stream in cache.head_stream_index(layer):
+            if stream.numel() and (
+                int(stream[0]) < cache.base_tokens
+                or int(stream[-1]) >= cache.next_original_index
+                or not bool((stream[1:] > stream[:-1]).all())
+            ):
+                raise MalformedCache(f"model layer {layer}'s stream index is not ascending within the stream")
 
 
 def _session_cache_from_tensors(

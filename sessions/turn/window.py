@@ -348,8 +348,9 @@ class TurnWindow:
             if isinstance(observer, QueryLog):
                 after = after.with_scores(committed_scores(cache, after, observer.turn_scores()))
                 scores = stored_scores(after)
-            else:
-                scores = observer.scores(after.score_width)
+            else:  # the buffer's columns are `cache`'s slots: a ragged head's chunk follows the longest head
+                fresh = tuple(observer.scores(cache.score_width + len(ids)))
+                scores = stored_scores(after.with_scores(committed_scores(cache.with_scores(None), after, fresh)))
             del working, observer
         if excess <= 0:
             return after

@@ -10,7 +10,7 @@ import torch
 
 from cache.budget_allocation import kept_own_mask
 from cache.ragged_heads import split_heads
-from cache.serialization import session_cache_from_tensors, session_cache_to_tensors
+from cache.serialization import MalformedCache, session_cache_from_tensors, session_cache_to_tensors
 from cache.session_cache import SessionCache
 from cache.token_eviction import committed_scores, evict_by_scores, evictable_tokens, stored_scores
 from tests.cache.helpers import HEAD_DIM, HEADS, LAYERS, make_cache
@@ -145,3 +145,44 @@ def test_a_ragged_cache_round_trips_through_its_blob(precision: str) -> None:
     if precision == "exact":  # the tokens held, no padding
         stored = sum(t.numel() for name, t in tensors.items() if name.startswith("k."))
         assert stored == sum(k.numel() for k in evicted.own_keys) == LAYERS * HEADS * evicted.own_tokens * HEAD_DIM
+
+
+def _corrupted(edit: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    _, evicted = ragged(evict=10, recent=4)
+    tensors, header = session_cache_to_tensors(evicted, "int8", residual_tokens=4)
+    head_tokens = header["head_tokens"]
+    assert isinstance(head_tokens, list)
+    first, second = head_tokens[0]
+    if edit == "negative count":  # the same total, so the tensors' sizes alone do not tell
+        head_tokens[0] = [-1, first + second + 1]
+    elif edit == "swapped counts":
+        head_tokens[0] = [second, first]
+    elif edit == "count not a number":
+        head_tokens[0] = ["x", second]
+    elif edit == "lossy ranges not pairs":
+        header["lossy_ranges_by_layer"] = {"0": "zz"}
+    elif edit == "lossy ranges not a mapping":
+        header["lossy_ranges_by_layer"] = None
+    elif edit == "stream index out of range":
+        tensors["idx.0"] = tensors["idx.0"] + 10_000
+    elif edit == "stream index negative":
+        tensors["idx.0"] = tensors["idx.0"] - 2
+    return tensors, header
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "negative count",
+        "swapped counts",
+        "count not a number",
+        "lossy ranges not pairs",
+        "lossy ranges not a mapping",
+        "stream index out of range",
+        "stream index negative",
+    ],
+)
+def test_a_ragged_blob_whose_header_does_not_match_its_tensors_is_malformed(edit: str) -> None:
+    tensors, header = _corrupted(edit)
+    with pytest.raises(MalformedCache):
+        session_cache_from_tensors(tensors, header, "cpu")

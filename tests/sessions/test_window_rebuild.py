@@ -221,3 +221,45 @@ def test_a_fork_at_the_latest_turn_while_the_parent_is_mid_turn_shares_a_cache_n
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         forked = manager.chat(tenant, fork, MESSAGES[10], max_new_tokens=8)
         assert forked.stats.restored_from == "device" and forked.token_ids == early.token_ids
+
+
+def test_a_chunk_on_a_ragged_cache_is_scored_at_each_heads_own_slots(
+    tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `attention` with per-head budgets, a chunk after the first runs on a ragged cache,
+    whose working buffer puts each head's share of the chunk after the longest head's slots. Its
+    observation scores must follow each head's slots: scored so that the chunk's tokens rank above
+    every older token (older ones the higher the older), every head keeps each chunk's tokens."""
+
+    def new_above_old(observer: object, cached_tokens: int, *args: object) -> torch.Tensor:
+        columns = torch.arange(cached_tokens, dtype=torch.float32)
+        per_layer = []
+        for layer in observer._layers:  # type: ignore[attr-defined]
+            held = layer.get_seq_length() - observed_chunk[0]  # the buffer's slots before the chunk
+            heads = layer.filled_keys.shape[1]  # head h's older tokens outrank head h-1's: counts differ
+            old = -columns + 500.0 * torch.arange(heads, dtype=torch.float32)[:, None]
+            per_layer.append(torch.where(columns < held, old, 1000.0 + columns))
+        return torch.stack(per_layer)
+
+    from cache.attention_scores import ObservationWindow
+
+    observed_chunk = [0]
+    ids = tuple(range(40, 40 + 60))
+    kept = restack_kept([(LayerSpan(LayerKind.TURN, 0, 60, 0, 0), ids)], [], 0)
+    window = TurnWindow(tiny_engine, WindowPolicy(30, "attention", 0, 4, 10, "per_head"))
+    chunks: list[int] = []
+    prefill_chunk = window._prefill_chunk
+
+    def recording(cache: object, kept_layers: object, start: int, end: int) -> object:
+        observed_chunk[0] = end - start
+        chunks.append(start)
+        after = prefill_chunk(cache, kept_layers, start, end)  # type: ignore[arg-type]
+        for layer in after.full_layers:
+            for stream in after.head_stream_index(layer):
+                assert set(range(start, end)) <= set(stream.tolist()), (start, end, stream.tolist())
+        return after
+
+    monkeypatch.setattr(ObservationWindow, "scores", new_above_old)
+    monkeypatch.setattr(window, "_prefill_chunk", recording)
+    past = window.prefill_evicting(tiny_engine.empty_cache(None), kept)
+    assert len(chunks) >= 3 and len(set(past.cache.head_tokens(0))) > 1
