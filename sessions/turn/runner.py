@@ -46,7 +46,7 @@ from sessions.turn.prepared import PendingBase, PreparedTurn
 from sessions.turn.preparer import TurnPreparer
 from sessions.turn.stop_strings import NO_STOP, StopScanner, StopStrings
 from sessions.turn.transcript import Transcript
-from sessions.turn.window import RECONSTRUCTION_INSTRUCTION
+from sessions.turn.window import RECONSTRUCTION_CHUNK_TOKENS, RECONSTRUCTION_INSTRUCTION
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,14 @@ class TurnRunner:
         added = after.own_token_ids[len(start.own_token_ids) :]
         if not added:  # nothing new to reconstruct: earlier scores stand (recency where none)
             return after.with_scores(start.own_scores)
+        positions = (
+            after.next_position + len(self._reconstruction_prompt) + min(len(added), RECONSTRUCTION_CHUNK_TOKENS)
+        )
+        if positions > self.preparer.fitting.engine.max_context_tokens:
+            # The repeat would run past the model's positions; the next turn rebuilds its window
+            # from the transcript anyway (`TurnWindow.positions_overflow`), which needs no scores.
+            log.info("session %s: no KVzip reconstruction past the model's %d positions", key.name, positions)
+            return after.with_scores(None)
         try:
             fresh = self.preparer.fitting.reconstruction_scores(after, added, self._reconstruction_prompt)
         # The scores only steer later evictions; losing them must not lose the reply just streamed.

@@ -227,6 +227,25 @@ def test_a_failed_reconstruction_stores_the_turn_and_its_cache_evicts_by_recency
     assert cache.own_scores is not None  # that turn's reconstruction scored it again
 
 
+def test_no_reconstruction_runs_past_the_models_positions(
+    tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept keys keep their positions, so a long conversation nears the model's limit; the repeat
+    after the turn would pass it, so the turn is stored without scores (the next turn rebuilds)."""
+    with open_windowed(tmp_path / "home", tiny_engine, "agnostic", context_budget_tokens=4000) as manager:
+        tenant = manager.create_tenant("acme").id
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        manager.chat(tenant, sid, MESSAGES[0], max_new_tokens=8)
+        calls = record_reconstructions(manager, monkeypatch)
+        end = cache_of(manager, tenant, sid).next_position
+        # Room for the next turn itself, not for the repeat of it after the reply.
+        monkeypatch.setattr(tiny_engine.runner, "max_context_tokens", end + 60)
+        reply = manager.chat(tenant, sid, MESSAGES[1], max_new_tokens=8)
+        cache = cache_of(manager, tenant, sid)
+    assert calls == [] and cache.own_scores is None
+    assert len(reply.token_ids) > 0 and cache.next_position <= end + 60
+
+
 def test_after_a_restore_the_next_turn_scores_every_held_token_by_reconstructing_its_own_ids(
     tmp_path: Path, tiny_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
