@@ -123,8 +123,9 @@ class ContextTooLong(ChatKVError):
 
     With `reply_tokens` (the turn's `max_new_tokens`, part of `needed_tokens`), the message splits
     the need as vLLM's does, prompt tokens (system prompt, pinned turns, the new message) plus the
-    reply's, and says which part to cut: max tokens when the prompt alone fits (and
-    to how many), else the message.
+    reply's, and says which part to cut: max tokens when the prompt alone fits (and to how many;
+    the message then reads `reply too long for the context`, since a short message with a large
+    `max_tokens` is not too long), else the message.
     """
 
     http_status = 413
@@ -144,13 +145,14 @@ class ContextTooLong(ChatKVError):
     def _describe(self, what: str) -> str:
         if not self.reply_tokens:
             return f"{what} too long: needs {self.needed_tokens} tokens of context, the limit is {self.limit_tokens}"
-        split = (
-            f"{what} too long: the turn needs {self.needed_tokens} tokens of context ({self.prompt_tokens} in the "
+        need = (
+            f"the turn needs {self.needed_tokens} tokens of context ({self.prompt_tokens} in the "
             f"prompt, up to {self.reply_tokens} in the reply), the limit is {self.limit_tokens}"
         )
-        if self.prompt_tokens < self.limit_tokens:
-            return f"{split}: lower max tokens to {self.limit_tokens - self.prompt_tokens} or less"
-        return f"{split}: the prompt alone is over it, shorten the {what}"
+        if self.prompt_tokens < self.limit_tokens:  # the reply's room is what is over: not the message's fault
+            room = self.limit_tokens - self.prompt_tokens
+            return f"reply too long for the context: {need}: lower max tokens to {room} or less"
+        return f"{what} too long: {need}: the prompt alone is over it, shorten the {what}"
 
 
 class HistoryTooLong(ChatKVError):

@@ -578,7 +578,7 @@ def test_chat_a_refused_first_message_leaves_no_session(cli: Cli) -> None:
     turn refuses leaves nothing stored, and the REPL goes on."""
     cli.ok("tenants", "create", "acme")
     result = cli.ok("chat", "--tenant", "acme", "--max-new-tokens", "100000", input="Hello\n")
-    assert "error: message too long" in result.stderr
+    assert "error: reply too long for the context" in result.stderr
     assert cli.json("sessions", "list") == []
 
 

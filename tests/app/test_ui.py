@@ -207,7 +207,7 @@ def test_manager_errors_become_one_line_and_nothing_is_stored(tiny_manager: Sess
     assert state.session_id is not None
     too_long = _send(ui, state, "hi", max_new_tokens=100_000)[-1]
     assert re.fullmatch(
-        r'<div class="chatkv-error" role="alert">message too long: the turn needs \d+ tokens of context '
+        r'<div class="chatkv-error" role="alert">reply too long for the context: the turn needs \d+ tokens of context '
         r"\(\d+ in the prompt, up to 100000 in the reply\), the limit is \d+: lower max tokens to \d+ or less"
         r"</div>",
         too_long.error_line,
@@ -392,7 +392,7 @@ def test_a_failed_first_turn_deletes_the_session_it_started(tiny_manager: Sessio
     views = _send(ui, state, "hi", max_new_tokens=100_000)
     assert views[0].state.session_id is not None  # made by the turn's door, then deleted with it
     failed = views[-1]
-    assert "message too long" in failed.error_line
+    assert "reply too long for the context" in failed.error_line
     assert failed.state == state  # no session open
     assert failed.session_picker["choices"] == []
     assert tiny_manager.list_sessions(LOCAL_TENANT) == []
@@ -772,7 +772,7 @@ def test_bad_edits_and_regenerations_are_one_line_and_store_nothing(tiny_manager
     # A fork's turn that fails deletes the fork and opens the original again.
     failed = _edit(ui, state, 0, "Hi", max_new_tokens=100_000)
     assert failed[0].state.session_id != parent  # it ran on a fork
-    assert "message too long" in failed[-1].error_line
+    assert "reply too long for the context" in failed[-1].error_line
     assert failed[-1].state == state and failed[-1].chatbot == done.chatbot
     assert failed[-1].session_picker["value"] == parent and _choice_ids(failed[-1]) == [parent]
     assert failed[-1].message["interactive"] is True and failed[-1].stop_button["visible"] is False

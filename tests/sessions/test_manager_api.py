@@ -90,8 +90,8 @@ def test_a_max_tokens_over_the_context_names_both_parts_and_the_largest_max_toke
             256,
         )
         assert str(error.value) == (
-            f"message too long: the turn needs {prompt + 100_000} tokens of context ({prompt} in the prompt, "
-            f"up to 100000 in the reply), the limit is 256: lower max tokens to {256 - prompt} or less"
+            f"reply too long for the context: the turn needs {prompt + 100_000} tokens of context ({prompt} in the "
+            f"prompt, up to 100000 in the reply), the limit is 256: lower max tokens to {256 - prompt} or less"
         )
         reply = manager.chat(tenant, sid, "hi", max_new_tokens=256 - prompt)  # the number it named fits
         assert len(reply.token_ids) == reply.stats.decode_tokens == 256 - prompt and reply.finish_reason == "length"
