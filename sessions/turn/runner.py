@@ -40,6 +40,7 @@ from sessions.cancellation import CancelToken
 from sessions.engine import Engine, Request, RequestResult
 from sessions.errors import SessionNotFound
 from sessions.sampling import SamplingParams
+from sessions.turn.chat_template import TemplateDivergence
 from sessions.turn.completion import Generation, TurnOutcome, TurnRules, complete_turn
 from sessions.turn.detokenizer import IncrementalDetokenizer
 from sessions.turn.prepared import PendingBase, PreparedTurn
@@ -65,7 +66,7 @@ class TurnRunner:
         self._active_lock = threading.Lock()
         self._preparing: Counter[TenantId] = Counter()
         self._closed_error: BaseException | None = None
-        self._reconstruction_prompt = preparer.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION)
+        self._reconstruction_prompt = _reconstruction_prompt(preparer) if preparer.window.policy == "agnostic" else None
 
     @contextmanager
     def _running(self, key: CacheKey, request: Request, cancel: CancelToken | None) -> Iterator[None]:
@@ -178,6 +179,8 @@ class TurnRunner:
         returned without scores: it evicts by recency (`stored_scores`) until a later turn scores
         it, and the turn is stored all the same."""
         added = after.own_token_ids[len(start.own_token_ids) :]
+        if self._reconstruction_prompt is None:  # the template cannot frame a repeat: recency
+            return after.with_scores(None)
         if not added:  # nothing new to reconstruct: earlier scores stand (recency where none)
             return after.with_scores(start.own_scores)
         positions = (
@@ -283,3 +286,14 @@ class TurnRunner:
         values = tuple(layer.filled_values[:, :, :n].clone() for layer in working.prealloc_layers)
         base = BaseLayer(pending.key, pending.token_ids, keys, values)
         return self.preparer.reuse.adopt_base(lease, base)
+
+
+def _reconstruction_prompt(preparer: TurnPreparer) -> tuple[int, ...] | None:
+    """KVzip's reconstruction prompt in the model's chat template, or `None` (with one warning)
+    for a template that does not render a reply verbatim (one that rewrites earlier replies):
+    the `agnostic` policy then evicts by recency."""
+    try:
+        return preparer.template.reconstruction_prompt_ids(RECONSTRUCTION_INSTRUCTION)
+    except TemplateDivergence as exc:
+        log.warning("window policy agnostic: no KVzip reconstruction prompt (%s); evicting by recency", exc)
+        return None

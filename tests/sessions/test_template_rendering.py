@@ -7,6 +7,7 @@ and plain `transformers` greedy decoding on those ids."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import replace
@@ -227,6 +228,26 @@ def test_history_rewriting_template_is_fed_its_own_rendering(
             assert rewritten == (turn if rewrites_replies else 0)
             assert reply.stats.restored_from == ("new" if turn == 0 else "rebuilt")
             past.append(PastTurn(message, reply.text, reply.token_ids))
+
+
+def test_agnostic_under_a_template_that_rewrites_replies_evicts_by_recency(
+    tmp_path: Path, tiny_model_dir: Path, tiny_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """KVzip's repeat prompt follows a reply rendered verbatim; a template that rewrites replies
+    has none, so the manager still opens, says so once, and its caches carry no scores."""
+    engine = engine_with_template(tiny_model_dir, tiny_engine, SHORTENS_REPLIES)
+    with caplog.at_level(logging.WARNING, logger="sessions.turn.runner"):
+        manager = open_manager(tmp_path / "home", engine, window_policy="agnostic")
+    with manager:
+        assert [r.getMessage() for r in caplog.records if r.name == "sessions.turn.runner"] == [
+            "window policy agnostic: no KVzip reconstruction prompt (the probe reply is not rendered verbatim); "
+            "evicting by recency"
+        ]
+        tenant = manager.create_tenant("acme")
+        sid = manager.open_session(tenant, system_prompt=SYSTEM)
+        reply = manager.chat(tenant, sid, MESSAGES[0], max_new_tokens=TOKENS)
+        cache = manager.internals.tiers.peek(key_of(tenant.id, sid))
+    assert len(reply.token_ids) > 0 and cache is not None and cache.own_scores is None
 
 
 class _Clock:
