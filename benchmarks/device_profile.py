@@ -41,19 +41,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import base_parser, print_header, sync
-from engine_step import histories, transformers_steps
+from engine_step import histories, queued_loop, transformers_steps
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cache.ids import TenantId
 from sessions.engine import Engine
 from sessions.engine import loop as loop_module
 from sessions.engine import model_runner as runner_module
 from sessions.engine.batch import pack
-from sessions.engine.config import SchedulerConfig
 from sessions.engine.loop import EngineLoop
 from sessions.engine.packed_attention import without_cudnn_attention
-from sessions.engine.request import Request
-from sessions.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS: dict[str, list[SDPBackend] | None] = {
@@ -157,29 +153,6 @@ def section_sdpa(device: torch.device, dtype: torch.dtype) -> None:
 # -- the engine's decode steps -------------------------------------------------------------------
 
 
-def start(
-    engine: Engine, rows: list[list[int]], steps: int, keep_logits: bool = False
-) -> tuple[EngineLoop, list[Request]]:
-    """An engine loop driven from this thread, with one request per row prefilled and queued."""
-    loop = EngineLoop(engine.runner.forward, engine.device, SchedulerConfig())
-    params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
-    requests = []
-    for i, row in enumerate(rows):
-        working = engine.empty_cache(None).to_working_cache(len(row) + steps + 8)
-        engine.prefill(working, row[:-1])
-        request = Request(
-            tenant_id=TenantId(f"t{i}"),
-            prefill_ids=row[-1:],
-            params=params,
-            working=working,
-            stop_token_ids=engine.stop_token_ids,
-            keep_logits=keep_logits,
-        )
-        loop._scheduler.add(request)
-        requests.append(request)
-    return loop, requests
-
-
 def step(loop: EngineLoop) -> None:
     plan = loop._scheduler.schedule()
     loop._release(plan)
@@ -222,7 +195,7 @@ def section_syncs(engine: Engine, history_tokens: int) -> None:
         return
     steps = 3
     for n in (1, 8):
-        loop, _ = start(engine, histories(engine, n, history_tokens), steps + 2)
+        loop, _ = queued_loop(engine, histories(engine, n, history_tokens), steps + 2)
         step(loop)  # warm-up
         sync(engine)
         where: collections.Counter[str] = collections.Counter()
@@ -252,7 +225,7 @@ def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> No
     runs = (("after", ("self_cpu_time_total", "device"), 25), ("before", ("self_cpu_time_total",), 10))
     for name, sort_keys, rows in runs:
         with variant(name):
-            loop, _ = start(engine, histories(engine, n, history_tokens), 8)
+            loop, _ = queued_loop(engine, histories(engine, n, history_tokens), 8)
             step(loop)
             step(loop)
             sync(engine)
@@ -283,7 +256,7 @@ def section_profile(engine: Engine, history_tokens: int, out: Path | None) -> No
 def decode(engine: Engine, name: str, rows: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
     """Median step ms after one warm-up step, and each request's generated tokens."""
     with variant(name):
-        loop, requests = start(engine, rows, steps + 1)
+        loop, requests = queued_loop(engine, rows, steps + 1)
         step(loop)
         walls = timed_steps(engine, loop, steps)
     return statistics.median(walls) * 1000, [r.generated for r in requests]
@@ -292,7 +265,7 @@ def decode(engine: Engine, name: str, rows: list[list[int]], steps: int) -> tupl
 def first_logits(engine: Engine, name: str, rows: list[list[int]], steps: int) -> list[torch.Tensor]:
     """Per request, the `[steps, vocab]` logits it sampled from in the first steps."""
     with variant(name):
-        loop, requests = start(engine, rows, steps, keep_logits=True)
+        loop, requests = queued_loop(engine, rows, steps, keep_logits=True)
         for _ in range(steps):
             step(loop)
     return [torch.stack(r.sampled_logits or []) for r in requests]

@@ -110,10 +110,14 @@ def clock_for(engine: Engine) -> Callable[[], float]:
     return time.perf_counter if engine.device.type == "cuda" else time.thread_time
 
 
-def chatkv_steps(engine: Engine, rows: list[list[int]], steps: int) -> tuple[list[dict[str, float]], list[float]]:
-    """Per step: seconds per part, and the step's time. The loop runs in this thread."""
+def queued_loop(
+    engine: Engine, rows: list[list[int]], steps: int, keep_logits: bool = False
+) -> tuple[EngineLoop, list[Request]]:
+    """An engine loop driven from the caller's thread, with one request per row: all of the row
+    but its last id prefilled, the last queued, room for `steps` decode steps."""
     loop = EngineLoop(engine.runner.forward, engine.device, SchedulerConfig())
     params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
+    requests = []
     for i, row in enumerate(rows):
         working = engine.empty_cache(None).to_working_cache(len(row) + steps + 8)
         engine.prefill(working, row[:-1])
@@ -123,8 +127,16 @@ def chatkv_steps(engine: Engine, rows: list[list[int]], steps: int) -> tuple[lis
             params=params,
             working=working,
             stop_token_ids=engine.stop_token_ids,
+            keep_logits=keep_logits,
         )
         loop._scheduler.add(request)
+        requests.append(request)
+    return loop, requests
+
+
+def chatkv_steps(engine: Engine, rows: list[list[int]], steps: int) -> tuple[list[dict[str, float]], list[float]]:
+    """Per step: seconds per part, and the step's time. The loop runs in this thread."""
+    loop, _ = queued_loop(engine, rows, steps)
     now = clock_for(engine)
     clock = Clock(now)
     parts, walls = [], []
