@@ -126,8 +126,8 @@ class TurnStart:
         base_reused: part of `reused_tokens` that is the shared base layer.
         demoted_tokens: tokens windowed out before this turn.
         base_computed: tokens prefilled while preparing, outside the turn's prefill: a base
-            recomputed by the restore (no copy of it was stored), or an attention rebuild's kept
-            past and the base it built.
+            recomputed by the restore (no copy of it was stored), an attention rebuild's kept
+            past and the base it built, or the kept layers a demotion re-prefilled.
         pending_base: set when `feed` starts with the base layer's ids (`cache` then has no
             base); the base is copied into the pool after the turn.
         working: the turn's working buffer when the window step already prefilled the first

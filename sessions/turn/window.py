@@ -95,6 +95,8 @@ class FittedWindow:
         prefilled_tokens: how many of the turn's ids `working` already holds.
         peak_tokens: most tokens a buffer of the window step held (the full cache with the
             prefilled ids); 0 when it prefilled nothing.
+        recomputed_tokens: kept own tokens a demotion re-prefilled (no RoPE layout, or a ragged
+            cache), so not served from the cache.
     """
 
     cache: SessionCache
@@ -105,6 +107,7 @@ class FittedWindow:
     working: WorkingCache | None = None
     prefilled_tokens: int = 0
     peak_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,9 +239,12 @@ class TurnWindow:
         window = self.plan_layers(cache.layers, cache.base_tokens, len(closing), len(turn), max_new_tokens)
         last = cache.layers[-1].original_start if cache.layers else None
         last_demoted = any(span.original_start == last for span in window.demote)
+        recomputed = 0
         if window.demote:
+            rotates = self.engine.rope_layout is not None and not cache.ragged
             cache = self.demote(cache, window.demote)
-        return FittedWindow(cache, window.demoted_tokens, last_demoted)
+            recomputed = 0 if rotates else cache.own_tokens
+        return FittedWindow(cache, window.demoted_tokens, last_demoted, recomputed_tokens=recomputed)
 
     def _evict(self, cache: SessionCache, prefill: list[int], max_new_tokens: int) -> FittedWindow:
         needed = cache.total_tokens + len(prefill) + max_new_tokens

@@ -159,7 +159,12 @@ def test_switching_to_turns_without_a_rope_layout_re_prefills_the_kept_layers_wh
     with open_manager(home, tiny_engine, window_policy="turns") as manager:
         demoted = 0
         for message in MESSAGES[7:]:
-            demoted += manager.chat("acme", sid, message, max_new_tokens=8).stats.demoted_tokens
+            reply = manager.chat("acme", sid, message, max_new_tokens=8)
+            demoted += reply.stats.demoted_tokens
+            if reply.stats.demoted_tokens:  # the kept layers were prefilled again: only the base was reused
+                after = cache_of(manager, "acme", sid)
+                assert reply.stats.reused_tokens == after.base_tokens
+                assert reply.stats.prefill_tokens > after.own_tokens - reply.stats.decode_tokens
         cache = cache_of(manager, "acme", sid)
     assert demoted > 0
     assert cache.evicted_tokens == 0 and all(span.evicted_tokens == 0 for span in cache.layers)
