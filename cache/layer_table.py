@@ -121,3 +121,20 @@ def spans_before(existing: Sequence[LayerSpan], new: Sequence[LayerSpan]) -> lis
         return list(existing)
     first = new[0].original_start
     return [span for span in existing if span.original_start < first]
+
+
+def pinned_stream_mask(layers: Sequence[LayerSpan], length: int) -> torch.Tensor:
+    """`[length]` bool over the conversation stream: True at the stream index of a pinned turn's token."""
+    mask = torch.zeros(length, dtype=torch.bool)
+    for span in layers:
+        if span.pinned:
+            mask[span.original_start : span.original_start + span.original_tokens] = True
+    return mask
+
+
+def tokens_per_span(layers: Sequence[LayerSpan], streams: torch.Tensor) -> list[int]:
+    """How many of the stream indices `streams` (int64, any shape) fall in each row of `layers`."""
+    return [
+        int(((streams >= span.original_start) & (streams < span.original_start + span.original_tokens)).sum())
+        for span in layers
+    ]

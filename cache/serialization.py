@@ -38,9 +38,10 @@ import torch
 
 from cache.errors import CacheError
 from cache.ids import PrefixKey
-from cache.layer_table import LayerSpan
+from cache.layer_table import LayerSpan, pinned_stream_mask, tokens_per_span
 from cache.quantization import Quantized, dequantize, int4_token_multiple, quantize
 from cache.session_cache import BaseLayer, SessionCache
+from cache.token_eviction import evictable_per_head
 
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
@@ -139,13 +140,8 @@ def session_cache_to_tensors(
     lossy_ranges = _ranges(mask)
     layers = [_mark_precision(span, lossy_ranges, precision) for span in _own_spans_with_offsets(cache.layers)]
     if lossy_streams:  # a ragged layer's lossy slots, by the turn layer their tokens belong to
-        streams = torch.cat(lossy_streams)
-        layers = [
-            replace(span, precision=precision)
-            if bool(((streams >= span.original_start) & (streams < span.original_start + span.original_tokens)).any())
-            else span
-            for span in layers
-        ]
+        touched = tokens_per_span(layers, torch.cat(lossy_streams))
+        layers = [replace(span, precision=precision) if n else span for span, n in zip(layers, touched, strict=True)]
     header = {
         "format_version": FORMAT_VERSION,
         "kind": "session",
@@ -174,15 +170,9 @@ def _ragged_lossy_mask(cache: SessionCache, layer: int, precision: str, residual
     KIVI token groups, the newest of the rest exact)."""
     if precision == "exact":
         return torch.zeros(sum(cache.head_tokens(layer)), dtype=torch.bool)
-    pinned = torch.zeros(cache.next_original_index, dtype=torch.bool)
-    for span in cache.layers:
-        if span.pinned:
-            pinned[span.original_start : span.original_start + span.original_tokens] = True
-    heads = []
-    for stream in cache.head_stream_index(layer):
-        n = stream.numel()
-        heads.append(~pinned[stream] & (torch.arange(n) < n - residual_tokens))
-    mask = torch.cat(heads)
+    pinned = pinned_stream_mask(cache.layers, cache.next_original_index)
+    # What an eviction could drop is what may be quantised, with the residual as the recent window.
+    mask = torch.cat(evictable_per_head(cache.head_stream_index(layer), pinned, residual_tokens))
     if precision == "int4":
         tail = int(mask.sum()) % int4_token_multiple()
         if tail:

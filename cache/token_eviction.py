@@ -47,7 +47,7 @@ from dataclasses import replace
 
 import torch
 
-from cache.layer_table import LayerSpan, span_offsets, stream_index_of
+from cache.layer_table import LayerSpan, pinned_stream_mask, span_offsets, stream_index_of, tokens_per_span
 from cache.ragged_heads import split_heads
 from cache.session_cache import SessionCache
 from cache.working_cache import WorkingCache
@@ -70,32 +70,23 @@ def evictable_tokens(cache: SessionCache, recent_tokens: int) -> int:
     cache, the fewest over the full model layers of their heads' evictable slots, on average."""
     if not cache.ragged:
         return sum(end - start for _, start, end in evictable_ranges(cache, recent_tokens))
-    pinned = _pinned_stream_mask(cache)
+    pinned = pinned_stream_mask(cache.layers, cache.next_original_index)
     return min(
         (
-            sum(int(m.sum()) for m in _evictable_per_head(cache, layer, pinned, recent_tokens)) // cache.kv_heads(layer)
+            sum(int(m.sum()) for m in evictable_per_head(cache.head_stream_index(layer), pinned, recent_tokens))
+            // cache.kv_heads(layer)
             for layer in cache.full_layers
         ),
         default=0,
     )
 
 
-def _pinned_stream_mask(cache: SessionCache) -> torch.Tensor:
-    """`[next_original_index]` bool: True at the stream index of a pinned turn's token."""
-    mask = torch.zeros(cache.next_original_index, dtype=torch.bool)
-    for span in cache.layers:
-        if span.pinned:
-            mask[span.original_start : span.original_start + span.original_tokens] = True
-    return mask
-
-
-def _evictable_per_head(
-    cache: SessionCache, layer: int, pinned: torch.Tensor, recent_tokens: int
-) -> list[torch.Tensor]:
-    """Per KV head of full model layer `layer`, `[n_h]` bool: its own slots that may be evicted (not
-    a pinned turn's, not among the head's last `recent_tokens`)."""
+def evictable_per_head(streams: Sequence[torch.Tensor], pinned: torch.Tensor, recent_tokens: int) -> list[torch.Tensor]:
+    """Per KV head, `[n_h]` bool over its own slots (`streams`: each head's stream index,
+    `SessionCache.head_stream_index`): not a pinned turn's token (`pinned`: `pinned_stream_mask`)
+    and not among the head's last `recent_tokens`."""
     out = []
-    for stream in cache.head_stream_index(layer):
+    for stream in streams:
         n = stream.numel()
         out.append(~pinned[stream] & (torch.arange(n) < n - recent_tokens))
     return out
@@ -166,7 +157,7 @@ def evict_by_scores(
 
 def _evict_per_head(cache: SessionCache, scores: torch.Tensor, evict_tokens: int, recent_tokens: int) -> SessionCache:
     """`evict_by_scores` under `per_head` (Ada-KV): each full model layer stored ragged."""
-    pinned = _pinned_stream_mask(cache)
+    pinned = pinned_stream_mask(cache.layers, cache.next_original_index)
     keys, values = list(cache.own_keys), list(cache.own_values)
     stream_index: list[torch.Tensor] = [
         _as_rows(cache, layer, cache.head_stream_index(layer)) for layer in range(len(cache.own_keys))
@@ -175,7 +166,8 @@ def _evict_per_head(cache: SessionCache, scores: torch.Tensor, evict_tokens: int
     own_scores = list(cache.own_scores) if cache.own_scores is not None else None
     kept_streams: list[torch.Tensor] = []
     for row, layer in enumerate(cache.full_layers):
-        evictable = _evictable_per_head(cache, layer, pinned, recent_tokens)
+        streams = cache.head_stream_index(layer)
+        evictable = evictable_per_head(streams, pinned, recent_tokens)
         head_scores = [
             scores[row, head, cache.base_tokens : cache.base_tokens + m.numel()].float()
             for head, m in enumerate(evictable)
@@ -188,7 +180,6 @@ def _evict_per_head(cache: SessionCache, scores: torch.Tensor, evict_tokens: int
         value_heads = split_heads(_flat(cache, layer, cache.own_values[layer]), cache.head_tokens(layer))
         keys[layer] = torch.cat([k[:, :, m.to(k.device)] for k, m in zip(key_heads, kept, strict=True)], dim=-2)
         values[layer] = torch.cat([v[:, :, m.to(v.device)] for v, m in zip(value_heads, kept, strict=True)], dim=-2)
-        streams = cache.head_stream_index(layer)
         stream_index[layer] = torch.cat([s[m] for s, m in zip(streams, kept, strict=True)])[None]
         kept_streams.extend(s[m] for s, m in zip(streams, kept, strict=True))
         head_tokens[layer] = counts
@@ -253,10 +244,7 @@ def _average_spans(cache: SessionCache, kept_streams: list[torch.Tensor], own_to
     indices), rounded by largest remainder so the rows sum to `own_tokens`."""
     kept = torch.cat(kept_streams) if kept_streams else torch.zeros(0, dtype=torch.long)
     heads = max(len(kept_streams), 1)
-    shares = []
-    for span in cache.layers:
-        inside = ((kept >= span.original_start) & (kept < span.original_start + span.original_tokens)).sum()
-        shares.append(float(inside) / heads)
+    shares = [inside / heads for inside in tokens_per_span(cache.layers, kept)]
     counts = [int(s) for s in shares]
     by_remainder = sorted(range(len(shares)), key=lambda i: shares[i] - counts[i], reverse=True)
     for i in by_remainder[: own_tokens - sum(counts)]:
