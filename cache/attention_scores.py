@@ -120,23 +120,19 @@ class ObservationWindow(_QueryObservers):
             query = self._queries[index]
             if query is None:
                 raise RuntimeError(f"bug: model layer {index} captured no query states")
-            scored = _layer_scores(
-                query, layer.filled_keys, self._scaling, cached_tokens, pool_kernel, layer.head_valid
-            )
+            scored = _layer_scores(query, layer.filled_keys, self._scaling, cached_tokens, pool_kernel, layer)
             out.append(F.pad(scored, (0, cached_tokens - scored.shape[1])))  # a narrower ragged layer's buffer
         return torch.stack(out)
 
 
-def _visible(keys: torch.Tensor, first_query: int, queries: int, head_valid: torch.Tensor | None) -> torch.Tensor:
+def _visible(keys: torch.Tensor, first_query: int, queries: int, layer: PreallocatedLayer | None) -> torch.Tensor:
     """`[kv_heads | 1, 1, queries, t]` bool: the slots of `keys [1, kv_heads, t, d]` that queries at
-    slots `first_query ..` see: causal, minus a ragged layer's holes (`PreallocatedLayer.head_valid`)."""
+    slots `first_query ..` see: causal, minus a ragged `layer`'s holes (`PreallocatedLayer.held_slots`)."""
     total = keys.shape[2]
     rows = torch.arange(first_query, first_query + queries, device=keys.device)  # each query's own slot
     visible = (torch.arange(total, device=keys.device)[None, :] <= rows[:, None])[None, None]  # [1, 1, n, t]
-    if head_valid is not None:
-        held = torch.ones(head_valid.shape[0], total, dtype=torch.bool, device=keys.device)
-        held[:, : min(total, head_valid.shape[1])] = head_valid[:, :total]
-        visible = visible & held[:, None, None, :]
+    if layer is not None and layer.head_valid is not None:
+        visible = visible & layer.held_slots(total)[:, None, None, :]
     return visible
 
 
@@ -146,17 +142,17 @@ def _layer_scores(
     scaling: float | None,
     cached_tokens: int,
     pool_kernel: int,
-    head_valid: torch.Tensor | None = None,
+    layer: PreallocatedLayer | None = None,
 ) -> torch.Tensor:
-    """`query [1, heads, w, d]` (the last `w` tokens of `keys`), `keys [1, kv_heads, t, d]`, a
-    ragged layer's holes `head_valid` -> `[kv_heads, min(cached_tokens, t)]` float32."""
+    """`query [1, heads, w, d]` (the last `w` tokens of `keys`), `keys [1, kv_heads, t, d]` (of
+    `layer`, whose holes are masked when ragged) -> `[kv_heads, min(cached_tokens, t)]` float32."""
     heads, window, head_dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, total = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     q = query[0].float().reshape(kv_heads, groups * window, head_dim)  # query heads of a group together
     logits = torch.bmm(q, keys[0].float().transpose(1, 2)) * scale  # [kv, groups * w, t]
-    visible = _visible(keys, total - window, window, head_valid)
+    visible = _visible(keys, total - window, window, layer)
     logits = logits.view(kv_heads, groups, window, total).masked_fill(~visible, float("-inf"))
     weights = logits.softmax(dim=-1).sum(dim=(1, 2))[:, :cached_tokens]  # [kv, cached]
     if pool_kernel > 1 and cached_tokens > 0:
@@ -237,16 +233,16 @@ class QueryLog(ObservationWindow):
                 raise RuntimeError(f"bug: model layer {index} captured no query states")
             cropped = self._start[index] + self._fed[index] - layer.get_seq_length()
             query = query[:, :, : max(0, query.shape[2] - cropped)]
-            out.append(_max_attention_on_device(query, layer.filled_keys, self._scaling, layer.head_valid).to("cpu"))
+            out.append(_max_attention_on_device(query, layer.filled_keys, self._scaling, layer).to("cpu"))
         return tuple(out)
 
 
 def _max_attention_on_device(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float | None, head_valid: torch.Tensor | None = None
+    query: torch.Tensor, keys: torch.Tensor, scaling: float | None, layer: PreallocatedLayer | None = None
 ) -> torch.Tensor:
-    """`query [1, heads, w, d]` (the last `w` slots of `keys [1, kv_heads, t, d]`), a ragged layer's
-    holes `head_valid` -> `[kv_heads, t]` float32 on the keys' device: each slot's largest attention
-    weight over the queries and grouped heads (0 in a hole)."""
+    """`query [1, heads, w, d]` (the last `w` slots of `keys [1, kv_heads, t, d]`, of `layer`, whose
+    holes are masked when ragged) -> `[kv_heads, t]` float32 on the keys' device: each slot's
+    largest attention weight over the queries and grouped heads (0 in a hole)."""
     heads, window, head_dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, total = keys.shape[1], keys.shape[2]
     groups = heads // kv_heads
@@ -257,7 +253,7 @@ def _max_attention_on_device(
         q = query[0, :, first : first + 256].float()
         n = q.shape[1]
         logits = torch.bmm(q.reshape(kv_heads, groups * n, head_dim), k) * scale
-        visible = _visible(keys, total - window + first, n, head_valid)
+        visible = _visible(keys, total - window + first, n, layer)
         logits = logits.view(kv_heads, groups, n, total).masked_fill(~visible, float("-inf"))
         best = torch.maximum(best, logits.softmax(dim=-1).amax(dim=(1, 2)))
     return best
@@ -297,7 +293,7 @@ class ReconstructionScores(_QueryObservers):
         layer = self._layers[index]
 
         def score(query: torch.Tensor, scaling: float | None) -> None:
-            fresh = _max_attention_on_device(query, layer.filled_keys, scaling, layer.head_valid)
+            fresh = _max_attention_on_device(query, layer.filled_keys, scaling, layer)
             fresh = F.pad(fresh, (0, max(0, self.cached_tokens - fresh.shape[1])))[:, : self.cached_tokens]
             best = self._best[index]
             self._best[index] = fresh if best is None else torch.maximum(best, fresh)

@@ -76,6 +76,19 @@ class PreallocatedLayer(DynamicLayer):
     # `keys` and `values` are views made when read, not attributes refreshed at every write: the
     # engine writes each request's keys once per model layer per step, and most of those views
     # would never be read.
+    def held_slots(self, slots: int) -> torch.Tensor:
+        """`[kv_heads, slots]` bool over the first `slots` slots of a ragged layer's buffer: False in
+        a head's hole (`head_valid`), True everywhere else (slots past the holes are every head's).
+
+        Raises:
+            RuntimeError: if the layer has no holes (`head_valid` is `None`).
+        """
+        if self.head_valid is None:
+            raise RuntimeError("bug: held_slots of a layer without holes")
+        held = torch.ones(self.head_valid.shape[0], slots, dtype=torch.bool, device=self.head_valid.device)
+        held[:, : min(slots, self.head_valid.shape[1])] = self.head_valid[:, :slots]
+        return held
+
     @property
     def keys(self) -> torch.Tensor:
         """View of the filled part of the key buffer, `[1, kv_heads, length, head_dim]`."""

@@ -50,6 +50,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from cache.working_cache import PreallocatedLayer
 from sessions.engine.batch import BLOCK_DIAGONAL_MAX_KEYS, STEP_KWARG, PackedBatch, Segment
 
 INERT_ARGUMENTS: dict[str, str] = {
@@ -132,15 +133,13 @@ def attend(
 
 
 def with_holes(
-    mask: torch.Tensor | None, head_valid: torch.Tensor, queries: int, keys: int, heads: int
+    mask: torch.Tensor | None, layer: PreallocatedLayer, queries: int, keys: int, heads: int
 ) -> torch.Tensor:
     """The `[1, heads, queries, keys]` bool mask of a chunk over a ragged layer's buffer: `mask`
-    (`[queries, keys]`, or `None`: every slot) and, per KV head, its holes (`head_valid [kv_heads,
-    n]`, False in a hole; slots from `n` on are every head's), repeated over the query heads that
-    share each KV head (GQA)."""
-    kv_heads, n = head_valid.shape
-    valid = torch.ones(kv_heads, keys, dtype=torch.bool, device=head_valid.device)
-    valid[:, : min(n, keys)] = head_valid[:, :keys]
+    (`[queries, keys]`, or `None`: every slot) and, per KV head, its holes
+    (`PreallocatedLayer.held_slots`), repeated over the query heads that share each KV head (GQA)."""
+    valid = layer.held_slots(keys)
+    kv_heads = valid.shape[0]
     out = valid[:, None, :].expand(kv_heads, queries, keys)
     if mask is not None:
         out = out & mask[None]
@@ -166,7 +165,7 @@ def _segment_attention(
         keys, values = keys[:, :, first:], values[:, :, first:]
     mask = batch.mask(segment.length, keys.shape[2], window)
     if layer.head_valid is not None:
-        mask = with_holes(mask, layer.head_valid, segment.length, keys.shape[2], q.shape[1])
+        mask = with_holes(mask, layer, segment.length, keys.shape[2], q.shape[1])
     out = attend(q, keys, values, mask, kind["scaling"], kind["s_aux"], kind["softcap"])
     return out.transpose(1, 2)
 
