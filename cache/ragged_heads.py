@@ -28,6 +28,7 @@ def working_layer(
     base_tokens = base[0].shape[-2] if base is not None else 0
     longest = max(counts)
     shape = (1, len(counts), base_tokens + longest + max(extra_tokens, 1), own_keys.shape[-1])
+    # Zeros, not uninitialised memory: a masked hole's NaN or inf would still poison SDPA's output.
     key_buffer, value_buffer = own_keys.new_zeros(shape), own_values.new_zeros(shape)
     if base is not None:
         key_buffer[:, :, :base_tokens].copy_(base[0])

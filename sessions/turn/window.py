@@ -241,7 +241,7 @@ class TurnWindow:
         last_demoted = any(span.original_start == last for span in window.demote)
         recomputed = 0
         if window.demote:
-            rotates = self.engine.rope_layout is not None and not cache.ragged
+            rotates = self.rotates(cache)
             cache = self.demote(cache, window.demote)
             recomputed = 0 if rotates else cache.own_tokens
         return FittedWindow(cache, window.demoted_tokens, last_demoted, recomputed_tokens=recomputed)
@@ -424,11 +424,16 @@ class TurnWindow:
             del working
         return observed.scores()
 
+    def rotates(self, cache: SessionCache) -> bool:
+        """Whether `demote` moves `cache`'s kept keys by RoPE re-rotation (else it re-prefills them):
+        the model has a known RoPE layout and the cache is not ragged."""
+        return self.engine.rope_layout is not None and not cache.ragged
+
     def demote(self, cache: SessionCache, demote: Sequence[LayerSpan]) -> SessionCache:
         """Drop whole layers: re-rotate the kept keys, or re-prefill the kept layers (evicted
         tokens included: that path is exact) when the model has no known RoPE layout or the
         cache is ragged (per-head budgets: its heads' slots of a layer differ)."""
-        if self.engine.rope_layout is not None and not cache.ragged:
+        if self.rotates(cache) and self.engine.rope_layout is not None:
             return demote_by_rotation(cache, demote, self.engine.rope_layout)
         own = [
             (span, cache.own_token_ids[off : off + span.original_tokens]) for span, _, off in span_offsets(cache.layers)
